@@ -1,0 +1,50 @@
+# The README's two commands, `make demo` and `make test`, set up everything they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCHRUN := $(VENV)/bin/torchrun
+DEPS := $(VENV)/.deps-installed
+EXT_SUFFIX = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+EXT := megatron_p2p/_C$(EXT_SUFFIX)
+SOURCES := $(wildcard csrc/*.c csrc/*.h) setup.py
+TEST_JOBS ?=
+
+.PHONY: all build demo test sanitize bench bench-quick clean
+
+all: build
+
+$(DEPS): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0 pytest numpy setuptools wheel
+	# The source tree itself is the package (a .pth entry), so torchrun workers import it too.
+	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/megatron_p2p_source.pth"
+	touch $@
+
+# Built in build/ and then moved into place with a new inode, so ranks still running the old
+# library are not disturbed.
+$(EXT): $(DEPS) $(SOURCES)
+	$(PY) setup.py --quiet build_ext --build-temp build/temp --build-lib build/lib
+	install -m 755 build/lib/$(EXT) $(EXT)
+
+build: $(EXT)
+
+demo: build
+	$(TORCHRUN) --standalone --nproc-per-node 4 -m megatron_p2p.demo
+
+test: build
+	$(PY) -m pytest -q $(TEST_JOBS)
+
+# The extension built with AddressSanitizer and UndefinedBehaviorSanitizer, and the whole suite
+# run against it (every torchrun rank inherits the preloaded runtime).
+ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
+sanitize: $(DEPS)
+	MEGATRON_P2P_SANITIZE=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
+	cp megatron_p2p/*.py build/asan/megatron_p2p/
+	PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD=$(ASAN_LIB) \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	MEGATRON_P2P_EXPECT_SANITIZED=1 $(PY) -m pytest -q -x
+
+clean:
+	rm -rf build $(EXT) megatron_p2p/*.so

@@ -1,0 +1,77 @@
+/* Shared by the binding files: module state, the Communicator and Request objects, tensor
+ * reading. No transport logic lives in the bindings. */
+#ifndef MP_BINDINGS_H
+#define MP_BINDINGS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "op.h"
+#include "transport.h"
+
+typedef struct {
+    PyObject *P2PError;
+    PyObject *P2PTimeoutError;
+    PyObject *MismatchError;
+    PyObject *PeerFailureError;
+    PyObject *BackendUnavailableError;
+    PyObject *tensor_type;   /* torch.Tensor */
+    PyObject *dtype_codes;   /* {torch.dtype: mp_dtype code} */
+    PyObject *str_dtype, *str_is_cpu, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
+    PyTypeObject *CommunicatorType;
+    PyTypeObject *RequestType;
+} mp_state;
+
+typedef struct {
+    PyObject_HEAD
+    mp_transport *transport; /* NULL once closed */
+    int group_rank;
+    int size;
+    int nlanes;
+    int *global_ranks;       /* group rank -> global rank */
+    double timeout;
+    uint64_t eager_threshold;
+    uint64_t *send_seq;      /* [lane][peer]: sends issued so far */
+    uint64_t *recv_seq;      /* [lane][peer] */
+    uint64_t *lane_steps;    /* [lane] */
+    PyObject *inflight;      /* list of Requests the transport may still touch */
+    PyObject *backend;       /* str */
+    uint64_t sends, recvs, bytes_sent, bytes_received;
+    double wait_seconds;
+    mp_state *state;
+    PyObject *weakrefs;
+} CommObject;
+
+typedef struct {
+    PyObject_HEAD
+    CommObject *comm;  /* strong */
+    PyObject *tensor;  /* strong: the buffer the transport reads or writes */
+    mp_op op;
+} RequestObject;
+
+typedef struct {
+    void *ptr;
+    uint64_t nbytes;
+    int dtype;
+} mp_buffer;
+
+mp_state *mp_state_from_type(PyTypeObject *tp);
+
+/* Reads pointer, bytes and dtype of a contiguous CPU tensor; on a misuse sets TypeError or
+ * ValueError naming `what` and returns -1. */
+int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, mp_buffer *out);
+
+extern PyType_Spec mp_communicator_spec;
+extern PyType_Spec mp_request_spec;
+
+RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffer *buf);
+/* Blocks (GIL released) until the request's op is done, then raises its failure if any. */
+int mp_request_complete(RequestObject *req, double timeout);
+/* Raises the exception that describes a finished op's failure. */
+void mp_raise_op_failure(CommObject *comm, const mp_op *op);
+/* The pending-op report used by timeouts and aborts. */
+PyObject *mp_comm_pending_report(CommObject *comm);
+void mp_comm_prune(CommObject *comm);
+
+#endif

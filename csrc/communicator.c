@@ -1,0 +1,651 @@
+/* Communicator: argument checking, the plan, and posting steps to a transport. Every check
+ * runs before anything is posted, so a misuse leaves the communicator usable. */
+#include <stddef.h>
+#include <string.h>
+
+#include "bindings.h"
+#include <structmember.h> /* after Python.h */
+#include "clock.h"
+#include "dtype.h"
+#include "plan.h"
+#include "shm.h"
+
+/* ---- life cycle -------------------------------------------------------------------------- */
+
+static int parse_ranks(CommObject *self, PyObject *ranks)
+{
+    PyObject *seq = PySequence_Fast(ranks, "ranks must be a sequence of global ranks");
+    if (!seq)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > 4096) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "ranks must hold 1 to 4096 global ranks, got %zd", n);
+        return -1;
+    }
+    self->global_ranks = PyMem_Calloc((size_t)n, sizeof(int));
+    if (!self->global_ranks) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long g = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (g == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (g < 0 || g > INT32_MAX) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "ranks[%zd] = %ld is not a valid global rank", i, g);
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (self->global_ranks[j] == g) {
+                Py_DECREF(seq);
+                PyErr_Format(PyExc_ValueError, "global rank %ld appears twice in ranks", g);
+                return -1;
+            }
+        self->global_ranks[i] = (int)g;
+    }
+    Py_DECREF(seq);
+    self->size = (int)n;
+    return 0;
+}
+
+static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"backend", "unique_id", "group_rank", "ranks", "lanes", "eager_threshold", "timeout",
+                             "single_copy", NULL};
+    const char *backend, *unique_id;
+    int group_rank, lanes = 2, single_copy = 1;
+    PyObject *ranks;
+    unsigned long long eager = 0;
+    double timeout = 300.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ssiO|$iKdp:Communicator", kwlist, &backend, &unique_id,
+                                     &group_rank, &ranks, &lanes, &eager, &timeout, &single_copy))
+        return NULL;
+    mp_state *st = mp_state_from_type(type);
+    if (strcmp(backend, "shm") != 0) {
+        PyErr_Format(st->BackendUnavailableError, "backend %R is not available in this build; use 'shm'",
+                     PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+    if (lanes != 1 && lanes != 2)
+        return PyErr_Format(PyExc_ValueError, "lanes must be 1 (one ordered queue) or 2 (one per direction), got %d",
+                            lanes);
+    if (eager > MP_SHM_MAX_EAGER)
+        return PyErr_Format(PyExc_ValueError, "eager_threshold must be at most %u bytes, got %llu", MP_SHM_MAX_EAGER,
+                            eager);
+    if (!(timeout > 0))
+        return PyErr_Format(PyExc_ValueError, "timeout must be a positive number of seconds, got %g", timeout);
+    if (strlen(unique_id) >= MP_SHM_NAME_LEN || unique_id[0] != '/' || strchr(unique_id + 1, '/'))
+        return PyErr_Format(PyExc_ValueError, "unique_id %R is not a segment name from new_unique_id()",
+                            PyTuple_GET_ITEM(args, 1));
+
+    CommObject *self = (CommObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->state = st;
+    self->nlanes = lanes;
+    self->timeout = timeout;
+    self->eager_threshold = eager;
+    self->group_rank = group_rank;
+    if (parse_ranks(self, ranks) < 0)
+        goto fail;
+    if (group_rank < 0 || group_rank >= self->size) {
+        PyErr_Format(PyExc_ValueError, "group_rank %d is outside a group of %d ranks", group_rank, self->size);
+        goto fail;
+    }
+    size_t nchan = (size_t)lanes * (size_t)self->size;
+    self->send_seq = PyMem_Calloc(nchan, sizeof(uint64_t));
+    self->recv_seq = PyMem_Calloc(nchan, sizeof(uint64_t));
+    self->lane_steps = PyMem_Calloc((size_t)lanes, sizeof(uint64_t));
+    self->inflight = PyList_New(0);
+    self->backend = PyUnicode_FromString(backend);
+    if (!self->send_seq || !self->recv_seq || !self->lane_steps) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (!self->inflight || !self->backend)
+        goto fail;
+
+    mp_shm_config cfg = {
+        .name = unique_id,
+        .rank = group_rank,
+        .size = self->size,
+        .nlanes = lanes,
+        .create = group_rank == 0,
+        .eager_threshold = eager,
+        .timeout = timeout,
+        .allow_cma = single_copy,
+    };
+    char err[512] = "";
+    mp_result r;
+    mp_transport *t = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    r = mp_shm_open(&cfg, &t, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (r != MP_OK) {
+        PyErr_Format(r == MP_ERR_TIMEOUT ? st->P2PTimeoutError : st->P2PError, "shm communicator (rank %d of %d): %s",
+                     group_rank, self->size, err);
+        goto fail;
+    }
+    self->transport = t;
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+/* Stops the transport; it finishes every op still pending (as closed), so no Request is left
+ * pointing into a dead transport. */
+static void comm_shutdown(CommObject *self)
+{
+    mp_transport *t = self->transport;
+    if (!t)
+        return;
+    self->transport = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    t->ops->destroy(t);
+    Py_END_ALLOW_THREADS
+    mp_comm_prune(self);
+}
+
+static void comm_dealloc(CommObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    comm_shutdown(self);
+    Py_XDECREF(self->inflight);
+    Py_XDECREF(self->backend);
+    PyMem_Free(self->global_ranks);
+    PyMem_Free(self->send_seq);
+    PyMem_Free(self->recv_seq);
+    PyMem_Free(self->lane_steps);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+void mp_comm_prune(CommObject *self)
+{
+    PyObject *list = self->inflight;
+    Py_ssize_t keep = 0, n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (atomic_load_explicit(&((RequestObject *)item)->op.state, memory_order_acquire) == MP_OP_DONE)
+            continue;
+        /* Swap the live item forward; the slice deletion below releases the finished ones. */
+        PyList_SET_ITEM(list, i, PyList_GET_ITEM(list, keep));
+        PyList_SET_ITEM(list, keep, item);
+        keep++;
+    }
+    PyList_SetSlice(list, keep, n, NULL);
+}
+
+/* ---- reports ----------------------------------------------------------------------------- */
+
+PyObject *mp_comm_pending_report(CommObject *self)
+{
+    PyObject *lines = PyList_New(0);
+    if (!lines)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(self->inflight);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        RequestObject *req = (RequestObject *)PyList_GET_ITEM(self->inflight, i);
+        const mp_op *op = &req->op;
+        uint32_t state = atomic_load_explicit(&req->op.state, memory_order_acquire);
+        if (state == MP_OP_DONE && op->result == MP_OK)
+            continue;
+        char peer[256] = "";
+        if (self->transport)
+            self->transport->ops->describe_peer(self->transport, op, peer, sizeof peer);
+        const char *where = state == MP_OP_QUEUED  ? "queued behind an earlier step on its lane"
+                          : state == MP_OP_ACTIVE ? "posted, waiting for the peer"
+                                                  : "failed";
+        PyObject *line = PyUnicode_FromFormat(
+            "  %s %s rank %d: %llu bytes of %s, lane %d, message #%llu, step #%llu, %s; %s", mp_label_name(op->label),
+            op->kind == MP_SEND ? "to" : "from", op->peer_global, (unsigned long long)op->nbytes,
+            mp_dtype_name(op->dtype), op->lane, (unsigned long long)op->seq, (unsigned long long)op->step, where, peer);
+        if (!line || PyList_Append(lines, line) < 0) {
+            Py_XDECREF(line);
+            Py_DECREF(lines);
+            return NULL;
+        }
+        Py_DECREF(line);
+    }
+    PyObject *head = PyUnicode_FromFormat("pending ops of rank %d (group rank %d of %d, backend %U): %zd",
+                                          self->global_ranks[self->group_rank], self->group_rank, self->size,
+                                          self->backend, PyList_GET_SIZE(lines));
+    PyObject *nl = PyUnicode_FromString("\n");
+    PyObject *body = nl ? PyUnicode_Join(nl, lines) : NULL;
+    PyObject *out = head && body ? PyUnicode_FromFormat(PyList_GET_SIZE(lines) ? "%U\n%U" : "%U%U", head, body)
+                                 : NULL;
+    Py_XDECREF(head);
+    Py_XDECREF(nl);
+    Py_XDECREF(body);
+    Py_DECREF(lines);
+    return out;
+}
+
+/* ---- posting ----------------------------------------------------------------------------- */
+
+static int check_usable(CommObject *self)
+{
+    if (!self->transport) {
+        PyErr_SetString(self->state->P2PError, "communicator is closed");
+        return -1;
+    }
+    int rank;
+    mp_result cause = self->transport->ops->abort_cause(self->transport, &rank);
+    if (cause != MP_OK) {
+        PyObject *exc = cause == MP_ERR_TIMEOUT     ? self->state->P2PTimeoutError
+                      : cause == MP_ERR_PEER_DEAD ? self->state->PeerFailureError
+                                                  : self->state->P2PError;
+        PyErr_Format(exc, "communicator was aborted (%s, caused by group rank %d); create a new one",
+                     mp_result_str(cause), rank);
+        return -1;
+    }
+    return 0;
+}
+
+static int group_rank_of(CommObject *self, PyObject *peer_obj, const char *what)
+{
+    long g = PyLong_AsLong(peer_obj);
+    if (g == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s must be an int global rank, not %.100s", what, Py_TYPE(peer_obj)->tp_name);
+        }
+        return -1;
+    }
+    for (int r = 0; r < self->size; r++)
+        if (self->global_ranks[r] == g)
+            return r;
+    PyObject *ranks = PyList_New(self->size);
+    for (int r = 0; ranks && r < self->size; r++)
+        PyList_SET_ITEM(ranks, r, PyLong_FromLong(self->global_ranks[r]));
+    if (ranks) {
+        PyErr_Format(PyExc_ValueError, "%s = %ld is not a rank of this communicator (global ranks %R)", what, g, ranks);
+        Py_DECREF(ranks);
+    }
+    return -1;
+}
+
+/* One op awaiting posting: validated, not yet numbered. */
+typedef struct {
+    PyObject *tensor;
+    mp_buffer buf;
+    mp_kind kind;
+    mp_label label;
+    int peer;
+    int lane;
+} pending_op;
+
+/* NCCL's rule, kept here for every transport: a send to oneself needs its receive in the same
+ * group, or it can never complete. */
+static int check_self_pairs(CommObject *self, const pending_op *ops, int nops)
+{
+    int sends = 0, recvs = 0;
+    for (int i = 0; i < nops; i++)
+        if (ops[i].peer == self->group_rank)
+            ops[i].kind == MP_SEND ? sends++ : recvs++;
+    if (sends != recvs) {
+        PyErr_Format(PyExc_ValueError,
+                     "%d send(s) and %d receive(s) address this rank itself in one group: a self send needs its "
+                     "matching self receive in the same group (batch_isend_irecv or one exchange)",
+                     sends, recvs);
+        return -1;
+    }
+    return 0;
+}
+
+/* Numbers the ops, posts them as one step on `lane`, and returns the Requests. */
+static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane)
+{
+    PyObject *reqs = PyList_New(nops);
+    if (!reqs)
+        return NULL;
+    mp_step *step = PyMem_RawMalloc(sizeof(mp_step) + sizeof(mp_op *) * (size_t)(nops ? nops : 1));
+    if (!step) {
+        Py_DECREF(reqs);
+        return PyErr_NoMemory();
+    }
+    for (int i = 0; i < nops; i++) {
+        RequestObject *req = mp_request_new(self, ops[i].tensor, &ops[i].buf);
+        if (!req) {
+            PyMem_RawFree(step);
+            Py_DECREF(reqs);
+            return NULL;
+        }
+        PyList_SET_ITEM(reqs, i, (PyObject *)req);
+        step->ops[i] = &req->op;
+    }
+    for (int i = 0; i < nops; i++) {
+        mp_op *op = step->ops[i];
+        size_t ch = (size_t)ops[i].lane * (size_t)self->size + (size_t)ops[i].peer;
+        op->kind = ops[i].kind;
+        op->label = ops[i].label;
+        op->peer = ops[i].peer;
+        op->peer_global = self->global_ranks[ops[i].peer];
+        op->lane = lane;
+        op->seq = ops[i].kind == MP_SEND ? self->send_seq[ch]++ : self->recv_seq[ch]++;
+        op->step = self->lane_steps[lane];
+        if (op->kind == MP_SEND) {
+            self->sends++;
+            self->bytes_sent += op->nbytes;
+        } else {
+            self->recvs++;
+            self->bytes_received += op->nbytes;
+        }
+    }
+    self->lane_steps[lane]++;
+    step->lane = lane;
+    step->nops = nops;
+    mp_result r = self->transport->ops->post(self->transport, step);
+    if (r != MP_OK) {
+        PyMem_RawFree(step);
+        Py_DECREF(reqs);
+        check_usable(self);
+        if (!PyErr_Occurred())
+            PyErr_Format(self->state->P2PError, "posting failed: %s", mp_result_str(r));
+        return NULL;
+    }
+    for (int i = 0; i < nops; i++)
+        if (PyList_Append(self->inflight, PyList_GET_ITEM(reqs, i)) < 0) {
+            Py_DECREF(reqs);
+            return NULL;
+        }
+    return reqs;
+}
+
+static int parse_mode(PyObject *mode, mp_mode *out)
+{
+    if (PyUnicode_Check(mode)) {
+        if (PyUnicode_CompareWithASCIIString(mode, "parity") == 0) {
+            *out = MP_MODE_PARITY;
+            return 0;
+        }
+        if (PyUnicode_CompareWithASCIIString(mode, "batched") == 0) {
+            *out = MP_MODE_BATCHED;
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "mode must be 'parity' or 'batched', got %R", mode);
+    return -1;
+}
+
+static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"send_next", "recv_prev", "send_prev", "recv_next", "mode", "prev_rank", "next_rank",
+                             NULL};
+    PyObject *tensors[MP_NUM_SLOTS] = {Py_None, Py_None, Py_None, Py_None};
+    PyObject *mode_obj = NULL, *prev_obj = Py_None, *next_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOOO$OOO:exchange", kwlist, &tensors[0], &tensors[1],
+                                     &tensors[2], &tensors[3], &mode_obj, &prev_obj, &next_obj))
+        return NULL;
+    mp_mode mode = MP_MODE_PARITY;
+    if (mode_obj && parse_mode(mode_obj, &mode) < 0)
+        return NULL;
+    if (check_usable(self) < 0)
+        return NULL;
+    int prev = (self->group_rank + self->size - 1) % self->size;
+    int next = (self->group_rank + 1) % self->size;
+    if (prev_obj != Py_None && (prev = group_rank_of(self, prev_obj, "prev_rank")) < 0)
+        return NULL;
+    if (next_obj != Py_None && (next = group_rank_of(self, next_obj, "next_rank")) < 0)
+        return NULL;
+
+    pending_op slot_ops[MP_NUM_SLOTS];
+    mp_plan_input in = {.mode = mode, .nlanes = self->nlanes, .rank = self->group_rank,
+                        .prev_is_self = prev == self->group_rank, .next_is_self = next == self->group_rank};
+    for (int s = 0; s < MP_NUM_SLOTS; s++) {
+        if (tensors[s] == Py_None)
+            continue;
+        pending_op *p = &slot_ops[s];
+        if (mp_read_tensor(self->state, tensors[s], mp_slot_name((mp_slot)s), &p->buf) < 0)
+            return NULL;
+        p->tensor = tensors[s];
+        p->kind = mp_slot_is_send((mp_slot)s) ? MP_SEND : MP_RECV;
+        p->label = (mp_label)s; /* the first four labels are the slots */
+        p->peer = (s == MP_SEND_NEXT || s == MP_RECV_NEXT) ? next : prev;
+        p->lane = mp_slot_lane((mp_slot)s, self->nlanes);
+        in.present |= 1u << s;
+    }
+    mp_plan plan;
+    mp_plan_exchange(&in, &plan);
+    pending_op steps[MP_NUM_SLOTS][MP_NUM_SLOTS];
+    for (int i = 0; i < plan.nsteps; i++) {
+        for (int j = 0; j < plan.steps[i].nops; j++)
+            steps[i][j] = slot_ops[plan.steps[i].ops[j]];
+        if (check_self_pairs(self, steps[i], plan.steps[i].nops) < 0)
+            return NULL;
+    }
+
+    mp_comm_prune(self);
+    PyObject *result = PyDict_New();
+    if (!result)
+        return NULL;
+    for (int i = 0; i < plan.nsteps; i++) {
+        PyObject *reqs = post_step(self, steps[i], plan.steps[i].nops, plan.steps[i].lane);
+        if (!reqs) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        for (int j = 0; j < plan.steps[i].nops; j++)
+            if (PyDict_SetItemString(result, mp_slot_name(plan.steps[i].ops[j]), PyList_GET_ITEM(reqs, j)) < 0) {
+                Py_DECREF(reqs);
+                Py_DECREF(result);
+                return NULL;
+            }
+        Py_DECREF(reqs);
+    }
+    return result;
+}
+
+static int read_p2p_op(CommObject *self, PyObject *tensor, PyObject *peer, mp_kind kind, const char *what,
+                       pending_op *out)
+{
+    if (mp_read_tensor(self->state, tensor, what, &out->buf) < 0)
+        return -1;
+    if ((out->peer = group_rank_of(self, peer, "peer")) < 0)
+        return -1;
+    out->tensor = tensor;
+    out->kind = kind;
+    out->label = kind == MP_SEND ? MP_LABEL_ISEND : MP_LABEL_IRECV;
+    out->lane = 0;
+    return 0;
+}
+
+static PyObject *single_op(CommObject *self, PyObject *args, PyObject *kwargs, mp_kind kind)
+{
+    static char *kwlist[] = {"tensor", "peer", NULL};
+    PyObject *tensor, *peer;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, kind == MP_SEND ? "OO:isend" : "OO:irecv", kwlist, &tensor, &peer))
+        return NULL;
+    if (check_usable(self) < 0)
+        return NULL;
+    pending_op op;
+    if (read_p2p_op(self, tensor, peer, kind, "tensor", &op) < 0 || check_self_pairs(self, &op, 1) < 0)
+        return NULL;
+    mp_comm_prune(self);
+    PyObject *reqs = post_step(self, &op, 1, 0);
+    if (!reqs)
+        return NULL;
+    PyObject *req = Py_NewRef(PyList_GET_ITEM(reqs, 0));
+    Py_DECREF(reqs);
+    return req;
+}
+
+static PyObject *comm_isend(CommObject *self, PyObject *args, PyObject *kwargs) { return single_op(self, args, kwargs, MP_SEND); }
+static PyObject *comm_irecv(CommObject *self, PyObject *args, PyObject *kwargs) { return single_op(self, args, kwargs, MP_RECV); }
+
+static PyObject *comm_batch(CommObject *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "batch() takes a sequence of (is_send, tensor, peer) tuples");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    pending_op *ops = PyMem_Calloc((size_t)(n ? n : 1), sizeof(pending_op));
+    PyObject *reqs = NULL;
+    if (!ops) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "batch() needs at least one op");
+        goto done;
+    }
+    if (n > 65536) {
+        PyErr_Format(PyExc_ValueError, "batch() takes at most 65536 ops, got %zd", n);
+        goto done;
+    }
+    if (check_usable(self) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_Format(PyExc_TypeError, "batch()[%zd] must be an (is_send, tensor, peer) tuple", i);
+            goto done;
+        }
+        int is_send = PyObject_IsTrue(PyTuple_GET_ITEM(item, 0));
+        char what[48];
+        snprintf(what, sizeof what, "ops[%zd].tensor", i);
+        if (is_send < 0 || read_p2p_op(self, PyTuple_GET_ITEM(item, 1), PyTuple_GET_ITEM(item, 2),
+                                       is_send ? MP_SEND : MP_RECV, what, &ops[i]) < 0)
+            goto done;
+    }
+    if (check_self_pairs(self, ops, (int)n) < 0)
+        goto done;
+    mp_comm_prune(self);
+    reqs = post_step(self, ops, (int)n, 0);
+done:
+    PyMem_Free(ops);
+    Py_DECREF(seq);
+    return reqs;
+}
+
+/* ---- control ----------------------------------------------------------------------------- */
+
+static PyObject *comm_abort(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->transport)
+        self->transport->ops->abort(self->transport, MP_ERR_ABORTED, self->group_rank);
+    Py_RETURN_NONE;
+}
+
+static PyObject *comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    comm_shutdown(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *comm_enter(CommObject *self, PyObject *Py_UNUSED(ignored)) { return Py_NewRef(self); }
+
+static PyObject *comm_exit(CommObject *self, PyObject *Py_UNUSED(args))
+{
+    comm_shutdown(self);
+    Py_RETURN_FALSE;
+}
+
+static PyObject *comm_stats(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:d}", "sends", (unsigned long long)self->sends, "recvs",
+                         (unsigned long long)self->recvs, "bytes_sent", (unsigned long long)self->bytes_sent,
+                         "bytes_received", (unsigned long long)self->bytes_received, "wait_seconds",
+                         self->wait_seconds);
+}
+
+static PyObject *comm_single_copy(CommObject *self, PyObject *peer)
+{
+    if (check_usable(self) < 0)
+        return NULL;
+    int r = group_rank_of(self, peer, "peer");
+    if (r < 0)
+        return NULL;
+    return PyBool_FromLong(mp_shm_single_copy(self->transport, r));
+}
+
+static PyObject *get_rank(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->group_rank); }
+static PyObject *get_global_rank(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->global_ranks[self->group_rank]); }
+static PyObject *get_size(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->size); }
+static PyObject *get_prev_rank(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->global_ranks[(self->group_rank + self->size - 1) % self->size]); }
+static PyObject *get_next_rank(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->global_ranks[(self->group_rank + 1) % self->size]); }
+static PyObject *get_lanes(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->nlanes); }
+static PyObject *get_timeout(CommObject *self, void *Py_UNUSED(c)) { return PyFloat_FromDouble(self->timeout); }
+static PyObject *get_eager(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(self->eager_threshold); }
+static PyObject *get_backend(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->backend); }
+static PyObject *get_closed(CommObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->transport == NULL); }
+
+static PyObject *get_ranks(CommObject *self, void *Py_UNUSED(c))
+{
+    PyObject *t = PyTuple_New(self->size);
+    for (int r = 0; t && r < self->size; r++)
+        PyTuple_SET_ITEM(t, r, PyLong_FromLong(self->global_ranks[r]));
+    return t;
+}
+
+static PyGetSetDef comm_getset[] = {
+    {"rank", (getter)get_rank, NULL, "This process's rank in the group (its parity orders the parity mode).", NULL},
+    {"global_rank", (getter)get_global_rank, NULL, "This process's global rank.", NULL},
+    {"size", (getter)get_size, NULL, "Ranks in the group.", NULL},
+    {"ranks", (getter)get_ranks, NULL, "Global rank of each group rank.", NULL},
+    {"prev_rank", (getter)get_prev_rank, NULL, "Global rank of the previous stage (wraps around the ring).", NULL},
+    {"next_rank", (getter)get_next_rank, NULL, "Global rank of the next stage (wraps around the ring).", NULL},
+    {"lanes", (getter)get_lanes, NULL, "Independent ordered queues: 1, or 2 (forward, backward).", NULL},
+    {"timeout", (getter)get_timeout, NULL, "Default deadline of a wait, in seconds.", NULL},
+    {"eager_threshold", (getter)get_eager, NULL, "Sends up to this many bytes complete without a posted receive.", NULL},
+    {"backend", (getter)get_backend, NULL, "The transport: 'shm'.", NULL},
+    {"closed", (getter)get_closed, NULL, "True after close().", NULL},
+    {NULL},
+};
+
+static PyMethodDef comm_methods[] = {
+    {"exchange", (PyCFunction)(void (*)(void))comm_exchange, METH_VARARGS | METH_KEYWORDS,
+     "exchange(send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode='parity', "
+     "prev_rank=None, next_rank=None) -> dict\n\nPosts one pipeline exchange in one call and returns a "
+     "Request per posted op, keyed by op name. mode='parity' issues the ops one by one in Megatron's "
+     "parity order; 'batched' issues each lane's ops as one group. prev_rank / next_rank (global ranks) "
+     "override the ring neighbours."},
+    {"isend", (PyCFunction)(void (*)(void))comm_isend, METH_VARARGS | METH_KEYWORDS,
+     "isend(tensor, peer) -> Request\n\nPosts a send to global rank `peer` on lane 0, after every op issued before."},
+    {"irecv", (PyCFunction)(void (*)(void))comm_irecv, METH_VARARGS | METH_KEYWORDS,
+     "irecv(tensor, peer) -> Request\n\nPosts a receive from global rank `peer` on lane 0, after every op issued before."},
+    {"batch", (PyCFunction)comm_batch, METH_O,
+     "batch(ops) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on lane 0."},
+    {"abort", (PyCFunction)comm_abort, METH_NOARGS,
+     "Fails every pending op here and at every peer. Idempotent."},
+    {"close", (PyCFunction)comm_close, METH_NOARGS,
+     "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
+    {"stats", (PyCFunction)comm_stats, METH_NOARGS, "Messages and bytes posted, and seconds spent in wait()."},
+    {"single_copy", (PyCFunction)comm_single_copy, METH_O,
+     "single_copy(peer) -> bool: whether large messages from `peer` arrive with one copy (CMA)."},
+    {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)comm_exit, METH_VARARGS, NULL},
+    {NULL},
+};
+
+static PyMemberDef comm_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(CommObject, weakrefs), READONLY, NULL},
+    {NULL},
+};
+
+static PyType_Slot comm_slots[] = {
+    {Py_tp_new, comm_new},
+    {Py_tp_members, comm_members},
+    {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_methods, comm_methods},
+    {Py_tp_getset, comm_getset},
+    {Py_tp_doc, "Communicator(backend, unique_id, group_rank, ranks, *, lanes=2, eager_threshold=0, timeout=300.0, "
+                "single_copy=True)\n\nLow-level constructor, collective over the group; use "
+                "megatron_p2p.init_communicator()."},
+    {0, NULL},
+};
+
+PyType_Spec mp_communicator_spec = {
+    .name = "megatron_p2p._C.Communicator",
+    .basicsize = sizeof(CommObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = comm_slots,
+};

@@ -1,0 +1,63 @@
+/* One point-to-point op and the step (group) it is issued in: what the bindings hand to a
+ * transport. The op is owned by its Python Request; the transport may touch it only until it
+ * stores MP_OP_DONE. */
+#ifndef MP_OP_H
+#define MP_OP_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "result.h"
+
+typedef enum { MP_SEND = 0, MP_RECV = 1 } mp_kind;
+
+/* Who issued the op; both sides name each other's op in a mismatch report. */
+typedef enum {
+    MP_LABEL_SEND_NEXT = 0,
+    MP_LABEL_RECV_PREV,
+    MP_LABEL_SEND_PREV,
+    MP_LABEL_RECV_NEXT,
+    MP_LABEL_ISEND,
+    MP_LABEL_IRECV,
+    MP_NUM_LABELS,
+} mp_label;
+
+typedef enum { MP_OP_QUEUED = 0, MP_OP_ACTIVE = 1, MP_OP_DONE = 2 } mp_op_state;
+
+#define MP_DETAIL_LEN 320
+
+typedef struct mp_op {
+    /* Fixed when posted. */
+    mp_kind kind;
+    mp_label label;
+    int peer;             /* group rank */
+    int peer_global;      /* global rank, for messages */
+    int lane;
+    uint64_t seq;         /* k-th op of its kind between this pair on this lane */
+    uint64_t step;        /* k-th step on its lane */
+    void *buf;
+    uint64_t nbytes;
+    int dtype;
+    /* Written by the transport; readable by anyone once state is DONE (acquire). */
+    _Atomic uint32_t state;
+    mp_result result;
+    char detail[MP_DETAIL_LEN];
+    /* Transport-private progress. */
+    uint64_t progress;
+    uint64_t skip_total;
+    int phase;
+} mp_op;
+
+/* A group of ops issued together on one lane. Owned by the transport once posted. */
+typedef struct mp_step {
+    int lane;
+    int nops;
+    int remaining;
+    int activated;
+    struct mp_step *next;
+    mp_op *ops[];
+} mp_step;
+
+const char *mp_label_name(mp_label l);
+
+#endif

@@ -1,0 +1,40 @@
+/* The schedule of one pipeline exchange: which ops, in which order, on which lane, grouped how.
+ * Pure functions, no I/O: the one place where Megatron's parity rule lives. */
+#ifndef MP_PLAN_H
+#define MP_PLAN_H
+
+/* The four ops of an exchange, named as megatron-core names them. */
+typedef enum { MP_SEND_NEXT = 0, MP_RECV_PREV = 1, MP_SEND_PREV = 2, MP_RECV_NEXT = 3, MP_NUM_SLOTS = 4 } mp_slot;
+
+typedef enum {
+    MP_MODE_PARITY = 0,  /* megatron's _p2p_ops: one op per step, order by the parity of the rank */
+    MP_MODE_BATCHED = 1, /* megatron's _batched_p2p_ops: the ops of a lane in one group */
+} mp_mode;
+
+typedef struct {
+    int lane;
+    int nops;
+    mp_slot ops[MP_NUM_SLOTS]; /* in issue order */
+} mp_plan_step;
+
+typedef struct {
+    int nsteps;
+    mp_plan_step steps[MP_NUM_SLOTS];
+} mp_plan;
+
+typedef struct {
+    mp_mode mode;
+    int nlanes;          /* 1: everything on lane 0 (megatron's one stream); 2: lane 0 forward, lane 1 backward */
+    int rank;            /* group rank: its parity picks the order */
+    unsigned present;    /* bit i set: op i is posted */
+    int prev_is_self;    /* one-rank ring: prev == next == self */
+    int next_is_self;
+} mp_plan_input;
+
+const char *mp_slot_name(mp_slot s);
+int mp_slot_is_send(mp_slot s);
+/* Lane of an op: forward (activations: send_next / recv_prev) or backward (gradients). */
+int mp_slot_lane(mp_slot s, int nlanes);
+void mp_plan_exchange(const mp_plan_input *in, mp_plan *out);
+
+#endif

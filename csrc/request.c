@@ -1,0 +1,185 @@
+/* Request: one posted op. It keeps its tensor (and so the buffer the transport uses) alive; the
+ * communicator keeps the Request alive until the transport is done with it, so dropping a
+ * Request cancels nothing. */
+#include <string.h>
+
+#include "bindings.h"
+#include "clock.h"
+#include "dtype.h"
+#include "plan.h"
+
+RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffer *buf)
+{
+    RequestObject *req = PyObject_New(RequestObject, comm->state->RequestType);
+    if (!req)
+        return NULL;
+    memset(&req->op, 0, sizeof req->op);
+    Py_INCREF(comm);
+    req->comm = comm;
+    Py_INCREF(tensor);
+    req->tensor = tensor;
+    req->op.buf = buf->ptr;
+    req->op.nbytes = buf->nbytes;
+    req->op.dtype = buf->dtype;
+    return req;
+}
+
+static void request_dealloc(RequestObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    Py_XDECREF(self->tensor);
+    Py_XDECREF(self->comm);
+    PyObject_Free(self);
+    Py_DECREF(tp);
+}
+
+static int op_done(const mp_op *op)
+{
+    return atomic_load_explicit(&((mp_op *)op)->state, memory_order_acquire) == MP_OP_DONE;
+}
+
+static PyObject *failure_type(mp_state *st, mp_result r)
+{
+    switch (r) {
+    case MP_ERR_MISMATCH: return st->MismatchError;
+    case MP_ERR_TIMEOUT: return st->P2PTimeoutError;
+    case MP_ERR_PEER_DEAD: return st->PeerFailureError;
+    default: return st->P2PError;
+    }
+}
+
+void mp_raise_op_failure(CommObject *comm, const mp_op *op)
+{
+    const char *peer_dir = op->kind == MP_SEND ? "to" : "from";
+    PyObject *msg = PyUnicode_FromFormat("%s %s rank %d (%llu bytes of %s, lane %d, message #%llu) failed: %s",
+                                         mp_label_name(op->label), peer_dir, op->peer_global,
+                                         (unsigned long long)op->nbytes, mp_dtype_name(op->dtype), op->lane,
+                                         (unsigned long long)op->seq, op->detail);
+    if (!msg)
+        return;
+    if (op->result == MP_ERR_TIMEOUT || op->result == MP_ERR_PEER_DEAD || op->result == MP_ERR_ABORTED) {
+        PyObject *report = mp_comm_pending_report(comm);
+        if (report) {
+            PyObject *joined = PyUnicode_FromFormat("%U\n%U", msg, report);
+            Py_DECREF(report);
+            Py_SETREF(msg, joined);
+        }
+        if (!msg)
+            return;
+    }
+    PyErr_SetObject(failure_type(comm->state, op->result), msg);
+    Py_DECREF(msg);
+}
+
+int mp_request_complete(RequestObject *req, double timeout)
+{
+    CommObject *comm = req->comm;
+    mp_op *op = &req->op;
+    if (!op_done(op)) {
+        if (timeout < 0)
+            timeout = comm->timeout;
+        mp_transport *t = comm->transport; /* non-NULL: closing finishes every op */
+        double start = mp_now();
+        mp_result r;
+        Py_BEGIN_ALLOW_THREADS
+        r = t->ops->wait(t, op, start + timeout);
+        Py_END_ALLOW_THREADS
+        comm->wait_seconds += mp_now() - start;
+        if (r == MP_ERR_TIMEOUT) {
+            PyObject *report = mp_comm_pending_report(comm);
+            t->ops->abort(t, MP_ERR_TIMEOUT, comm->group_rank);
+            if (report) {
+                PyErr_Format(comm->state->P2PTimeoutError,
+                             "%s %s rank %d did not complete within %.1f s; the communicator is aborted so that "
+                             "its peers fail too.\n%U",
+                             mp_label_name(op->label), op->kind == MP_SEND ? "to" : "from", op->peer_global,
+                             timeout, report);
+                Py_DECREF(report);
+            }
+            return -1;
+        }
+    }
+    if (op->result != MP_OK)
+        mp_raise_op_failure(comm, op); /* before pruning: the report lists the other failed ops */
+    mp_comm_prune(comm);
+    return op->result == MP_OK ? 0 : -1;
+}
+
+static PyObject *request_wait(RequestObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", kwlist, &timeout_obj))
+        return NULL;
+    double timeout = -1;
+    if (timeout_obj != Py_None) {
+        timeout = PyFloat_AsDouble(timeout_obj);
+        if (timeout == -1 && PyErr_Occurred())
+            return NULL;
+        if (!(timeout >= 0)) {
+            PyErr_Format(PyExc_ValueError, "timeout must be a non-negative number of seconds, got %R", timeout_obj);
+            return NULL;
+        }
+    }
+    if (mp_request_complete(self, timeout) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *request_is_completed(RequestObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(op_done(&self->op));
+}
+
+static PyObject *request_repr(RequestObject *self)
+{
+    const mp_op *op = &self->op;
+    return PyUnicode_FromFormat("<megatron_p2p.Request %s %s rank %d, %llu bytes, lane %d, message #%llu, %s>",
+                                mp_label_name(op->label), op->kind == MP_SEND ? "to" : "from", op->peer_global,
+                                (unsigned long long)op->nbytes, op->lane, (unsigned long long)op->seq,
+                                op_done(op) ? (op->result == MP_OK ? "done" : "failed") : "pending");
+}
+
+static PyObject *get_label(RequestObject *self, void *Py_UNUSED(c)) { return PyUnicode_FromString(mp_label_name(self->op.label)); }
+static PyObject *get_peer(RequestObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->op.peer_global); }
+static PyObject *get_nbytes(RequestObject *self, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(self->op.nbytes); }
+static PyObject *get_lane(RequestObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->op.lane); }
+static PyObject *get_seq(RequestObject *self, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(self->op.seq); }
+static PyObject *get_is_send(RequestObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->op.kind == MP_SEND); }
+static PyObject *get_tensor(RequestObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->tensor); }
+
+static PyGetSetDef request_getset[] = {
+    {"label", (getter)get_label, NULL, "Which op: send_next, recv_prev, send_prev, recv_next, isend or irecv.", NULL},
+    {"peer", (getter)get_peer, NULL, "The peer's global rank.", NULL},
+    {"nbytes", (getter)get_nbytes, NULL, "Bytes carried.", NULL},
+    {"lane", (getter)get_lane, NULL, "The lane the op runs on.", NULL},
+    {"seq", (getter)get_seq, NULL, "Its index among the ops of its kind between this pair on this lane.", NULL},
+    {"is_send", (getter)get_is_send, NULL, "True for a send.", NULL},
+    {"tensor", (getter)get_tensor, NULL, "The tensor sent from or received into.", NULL},
+    {NULL},
+};
+
+static PyMethodDef request_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))request_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(timeout=None) -> True\n\nBlocks until the op completes (CPU ops block the host). Raises "
+     "P2PTimeoutError past the timeout (default: the communicator's) and aborts the communicator, "
+     "MismatchError, PeerFailureError or P2PError when the op failed."},
+    {"is_completed", (PyCFunction)request_is_completed, METH_NOARGS, "True once the op has finished (or failed)."},
+    {NULL},
+};
+
+static PyType_Slot request_slots[] = {
+    {Py_tp_dealloc, request_dealloc},
+    {Py_tp_repr, request_repr},
+    {Py_tp_methods, request_methods},
+    {Py_tp_getset, request_getset},
+    {Py_tp_doc, "A posted point-to-point op. wait() completes it; dropping it does not cancel it."},
+    {0, NULL},
+};
+
+PyType_Spec mp_request_spec = {
+    .name = "megatron_p2p._C.Request",
+    .basicsize = sizeof(RequestObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = request_slots,
+};

@@ -1,0 +1,758 @@
+/* The shm transport's engine. One progress thread per communicator owns every op after it is
+ * posted: it alone matches, copies and completes, so the engine state below needs no lock.
+ * The bindings' thread only queues steps (under `lock`) and waits on `completions`. */
+#include "shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "dtype.h"
+#include "shm_segment.h"
+
+#define SPIN_SECONDS 20e-6     /* busy-poll this long after activity before sleeping */
+#define LIVENESS_PERIOD 0.05   /* how often peers' liveness is checked */
+#define CMA_CHUNK (4u << 20)   /* one process_vm_readv call; large single calls are slow */
+#define COPY_CHUNK (16u << 20) /* bytes one op copies per pass, so ops on other lanes interleave */
+
+enum { PH_NEW = 0, PH_STREAM, PH_WAIT_DONE, PH_COPY, PH_SKIP };
+
+/* This process's view of a channel: sender fields for (lane, me -> peer), receiver fields for
+ * (lane, peer -> me). */
+typedef struct {
+    uint64_t published;  /* sends whose descriptor is out */
+    uint64_t streamed;   /* sends fully written to the bounce buffer */
+    uint64_t chunks_out; /* bounce chunks produced */
+    uint64_t recv_next;  /* the next receive to serve: receives finish in order */
+    uint64_t chunks_in;  /* bounce chunks consumed */
+} chan_local;
+
+typedef struct {
+    mp_step *head, *tail;
+} step_queue;
+
+typedef struct {
+    mp_transport base;
+    shm_view v;
+    uint64_t eager_threshold;
+    int *pidfds;      /* per peer, -1 where pidfd_open is unavailable */
+    pid_t *pids;
+    chan_local *out;  /* [lane][peer] */
+    chan_local *in;   /* [lane][peer] */
+    step_queue *lanes;
+    uint64_t probe_word;
+
+    pthread_t thread;
+    int thread_started;
+    pthread_mutex_t lock; /* guards `incoming` and `stop` */
+    step_queue incoming;
+    int stop;
+
+    _Atomic uint32_t completions; /* futex word for waiters in this process */
+    _Atomic uint32_t waiters;
+    int failed; /* engine-private: abort seen, everything failed */
+} shm_t;
+
+static shm_t *as_shm(mp_transport *t) { return (shm_t *)t; }
+static shm_rank *my_slot(shm_t *s) { return shm_rank_at(&s->v, s->base.rank); }
+
+static void ring(shm_t *s, int rank)
+{
+    shm_rank *r = shm_rank_at(&s->v, rank);
+    atomic_fetch_add(&r->bell, 1);
+    if (atomic_load(&r->sleeping))
+        mp_futex_wake(&r->bell, 1);
+}
+
+/* ---- completion ---------------------------------------------------------------------- */
+
+static void finish(shm_t *s, mp_step *step, mp_op *op, mp_result r)
+{
+    op->result = r;
+    atomic_store_explicit(&op->state, MP_OP_DONE, memory_order_release);
+    step->remaining--;
+    atomic_fetch_add(&s->completions, 1);
+    if (atomic_load(&s->waiters))
+        mp_futex_wake(&s->completions, 0);
+}
+
+static void fail_step(shm_t *s, mp_step *step, mp_result r, const char *why)
+{
+    for (int i = 0; i < step->nops; i++) {
+        mp_op *op = step->ops[i];
+        if (atomic_load_explicit(&op->state, memory_order_relaxed) == MP_OP_DONE)
+            continue;
+        snprintf(op->detail, sizeof op->detail, "%s", why);
+        finish(s, step, op, r);
+    }
+}
+
+static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_t len)
+{
+    switch (cause) {
+    case MP_ERR_TIMEOUT:
+        snprintf(buf, len, "communicator aborted: rank %d timed out waiting for its ops", rank);
+        break;
+    case MP_ERR_PEER_DEAD:
+        snprintf(buf, len, "communicator aborted: rank %d (pid %d) exited", rank,
+                 rank >= 0 && rank < s->base.size ? (int)s->pids[rank] : -1);
+        break;
+    case MP_ERR_CLOSED:
+        snprintf(buf, len, "communicator aborted: rank %d closed it with ops pending", rank);
+        break;
+    default:
+        snprintf(buf, len, "communicator aborted by rank %d (%s)", rank, mp_result_str(cause));
+        break;
+    }
+}
+
+static void free_queue(step_queue *q)
+{
+    mp_step *st = q->head;
+    while (st) {
+        mp_step *next = st->next;
+        free(st);
+        st = next;
+    }
+    q->head = q->tail = NULL;
+}
+
+static void fail_queue(shm_t *s, step_queue *q, mp_result r, const char *why)
+{
+    for (mp_step *st = q->head; st; st = st->next)
+        fail_step(s, st, r, why);
+    free_queue(q);
+}
+
+/* ---- sends ------------------------------------------------------------------------------ */
+
+
+static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
+{
+    if (cl->published != op->seq)
+        return 0; /* an earlier send on this channel goes first */
+    if (atomic_load_explicit(&ch->done, memory_order_acquire) + SHM_NSLOTS <= op->seq)
+        return 0; /* every descriptor slot still holds an unfinished message */
+    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
+    sl->nbytes = op->nbytes;
+    sl->dtype = op->dtype;
+    sl->label = (uint32_t)op->label;
+    sl->addr = (uint64_t)(uintptr_t)op->buf;
+    sl->result = MP_OK;
+    if (op->nbytes <= s->v.lay.slot_bytes) {
+        sl->path = SHM_PATH_INLINE;
+        if (op->nbytes)
+            memcpy(shm_inline_at(&s->v, c, op->seq), op->buf, op->nbytes);
+    } else {
+        sl->path = atomic_load_explicit(shm_cma_at(&s->v, op->peer, s->base.rank), memory_order_relaxed)
+                       ? SHM_PATH_CMA
+                       : SHM_PATH_BOUNCE;
+    }
+    atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
+    cl->published = op->seq + 1;
+    ring(s, op->peer);
+    if (sl->path == SHM_PATH_INLINE && op->nbytes <= s->eager_threshold) {
+        finish(s, step, op, MP_OK); /* buffered: completes without the receive */
+        return 1;
+    }
+    op->phase = sl->path == SHM_PATH_BOUNCE ? PH_STREAM : PH_WAIT_DONE;
+    return 1;
+}
+
+static int stream_send(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
+{
+    if (cl->streamed != op->seq)
+        return 0;
+    uint64_t chunk = s->v.lay.chunk_bytes;
+    int moved = 0;
+    while (op->progress < op->nbytes &&
+           cl->chunks_out - atomic_load_explicit(&ch->consumed, memory_order_acquire) < SHM_NCHUNKS) {
+        uint64_t n = op->nbytes - op->progress < chunk ? op->nbytes - op->progress : chunk;
+        memcpy(shm_chunk_at(&s->v, c, cl->chunks_out), (char *)op->buf + op->progress, n);
+        op->progress += n;
+        cl->chunks_out++;
+        atomic_store_explicit(&ch->produced, cl->chunks_out, memory_order_release);
+        moved = 1;
+    }
+    if (moved)
+        ring(s, op->peer);
+    if (op->progress == op->nbytes) {
+        cl->streamed++;
+        op->phase = PH_WAIT_DONE;
+        moved = 1;
+    }
+    return moved;
+}
+
+static int progress_send(shm_t *s, mp_step *step, mp_op *op)
+{
+    uint32_t c = shm_chan_index(&s->v, op->lane, s->base.rank, op->peer);
+    shm_chan *ch = shm_chan_at(&s->v, c);
+    chan_local *cl = &s->out[op->lane * s->base.size + op->peer];
+    int moved = 0;
+    if (op->phase == PH_NEW) {
+        moved = publish_send(s, step, op, c, ch, cl);
+        if (atomic_load_explicit(&op->state, memory_order_relaxed) == MP_OP_DONE)
+            return moved;
+    }
+    if (op->phase == PH_STREAM)
+        moved |= stream_send(s, op, c, ch, cl);
+    if (op->phase == PH_WAIT_DONE && atomic_load_explicit(&ch->done, memory_order_acquire) > op->seq) {
+        shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
+        mp_result r = sl->result == MP_OK ? MP_OK : (mp_result)sl->result;
+        if (r == MP_ERR_MISMATCH)
+            snprintf(op->detail, sizeof op->detail,
+                     "%s to rank %d (lane %d, message #%llu) met %s: this rank sent %llu bytes of %s, rank %d "
+                     "expects %llu bytes of %s",
+                     mp_label_name(op->label), op->peer_global, op->lane, (unsigned long long)op->seq,
+                     mp_label_name((mp_label)(sl->recv_label % MP_NUM_LABELS)), (unsigned long long)op->nbytes,
+                     mp_dtype_name(op->dtype), op->peer_global, (unsigned long long)sl->recv_nbytes,
+                     mp_dtype_name(sl->recv_dtype));
+        else if (r != MP_OK)
+            snprintf(op->detail, sizeof op->detail, "%s to rank %d failed at the receiver: %s",
+                     mp_label_name(op->label), op->peer_global, mp_result_str(r));
+        finish(s, step, op, r);
+        moved = 1;
+    }
+    return moved;
+}
+
+/* ---- receives --------------------------------------------------------------------------- */
+
+static void recv_done(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local *cl, mp_result r)
+{
+    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
+    sl->result = (uint32_t)r;
+    cl->recv_next++;
+    atomic_store_explicit(&ch->done, cl->recv_next, memory_order_release);
+    ring(s, op->peer);
+    finish(s, step, op, r);
+}
+
+static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
+{
+    if (cl->recv_next != op->seq || atomic_load_explicit(&ch->posted, memory_order_acquire) <= op->seq)
+        return 0;
+    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
+    /* Everything in the slot is the peer's word: check it before it sizes a copy. */
+    uint64_t nbytes = sl->nbytes;
+    int32_t dtype = sl->dtype;
+    uint32_t path = sl->path;
+    if (path > SHM_PATH_BOUNCE || (path == SHM_PATH_INLINE && nbytes > s->v.lay.slot_bytes)) {
+        snprintf(op->detail, sizeof op->detail, "%s from rank %d: corrupt descriptor (path %u, %llu bytes)",
+                 mp_label_name(op->label), op->peer_global, path, (unsigned long long)nbytes);
+        recv_done(s, step, op, ch, cl, MP_ERR_CORRUPT);
+        return 1;
+    }
+    if (nbytes != op->nbytes || dtype != op->dtype) {
+        sl->recv_nbytes = op->nbytes;
+        sl->recv_dtype = op->dtype;
+        sl->recv_label = (uint32_t)op->label;
+        snprintf(op->detail, sizeof op->detail,
+                 "%s from rank %d (lane %d, message #%llu) met %s: rank %d sent %llu bytes of %s, this rank "
+                 "expects %llu bytes of %s",
+                 mp_label_name(op->label), op->peer_global, op->lane, (unsigned long long)op->seq,
+                 mp_label_name((mp_label)(sl->label % MP_NUM_LABELS)), op->peer_global, (unsigned long long)nbytes,
+                 mp_dtype_name(dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
+        if (path == SHM_PATH_BOUNCE) {
+            op->phase = PH_SKIP; /* drain the sender's chunks so the channel stays in step */
+            op->progress = 0;
+            op->skip_total = nbytes;
+            return 1;
+        }
+        recv_done(s, step, op, ch, cl, MP_ERR_MISMATCH);
+        return 1;
+    }
+    if (path == SHM_PATH_INLINE) {
+        if (nbytes)
+            memcpy(op->buf, shm_inline_at(&s->v, c, op->seq), nbytes);
+        recv_done(s, step, op, ch, cl, MP_OK);
+        return 1;
+    }
+    op->phase = PH_COPY;
+    op->progress = 0;
+    return 1;
+}
+
+static int copy_cma(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local *cl)
+{
+    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
+    uint64_t budget = COPY_CHUNK;
+    while (op->progress < op->nbytes && budget) {
+        uint64_t n = op->nbytes - op->progress;
+        if (n > CMA_CHUNK)
+            n = CMA_CHUNK;
+        struct iovec local = {(char *)op->buf + op->progress, n};
+        struct iovec remote = {(void *)(uintptr_t)(sl->addr + op->progress), n};
+        ssize_t got = process_vm_readv(s->pids[op->peer], &local, 1, &remote, 1, 0);
+        if (got <= 0) {
+            snprintf(op->detail, sizeof op->detail, "%s from rank %d: single-copy read failed: %s",
+                     mp_label_name(op->label), op->peer_global, got < 0 ? strerror(errno) : "no bytes");
+            recv_done(s, step, op, ch, cl, MP_ERR_SYSTEM);
+            return 1;
+        }
+        op->progress += (uint64_t)got;
+        budget = budget > (uint64_t)got ? budget - (uint64_t)got : 0;
+    }
+    if (op->progress == op->nbytes)
+        recv_done(s, step, op, ch, cl, MP_OK);
+    return 1;
+}
+
+static int copy_bounce(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl, int skip)
+{
+    uint64_t chunk = s->v.lay.chunk_bytes;
+    uint64_t total = skip ? op->skip_total : op->nbytes;
+    int moved = 0;
+    while (op->progress < total && atomic_load_explicit(&ch->produced, memory_order_acquire) > cl->chunks_in) {
+        uint64_t n = total - op->progress < chunk ? total - op->progress : chunk;
+        if (!skip)
+            memcpy((char *)op->buf + op->progress, shm_chunk_at(&s->v, c, cl->chunks_in), n);
+        op->progress += n;
+        cl->chunks_in++;
+        atomic_store_explicit(&ch->consumed, cl->chunks_in, memory_order_release);
+        moved = 1;
+    }
+    if (moved)
+        ring(s, op->peer);
+    if (op->progress == total) {
+        recv_done(s, step, op, ch, cl, skip ? MP_ERR_MISMATCH : MP_OK);
+        moved = 1;
+    }
+    return moved;
+}
+
+static int progress_recv(shm_t *s, mp_step *step, mp_op *op)
+{
+    uint32_t c = shm_chan_index(&s->v, op->lane, op->peer, s->base.rank);
+    shm_chan *ch = shm_chan_at(&s->v, c);
+    chan_local *cl = &s->in[op->lane * s->base.size + op->peer];
+    if (op->phase == PH_NEW)
+        return start_recv(s, step, op, c, ch, cl);
+    if (op->phase == PH_SKIP)
+        return copy_bounce(s, step, op, c, ch, cl, 1);
+    if (ch->slots[op->seq % SHM_NSLOTS].path == SHM_PATH_CMA)
+        return copy_cma(s, step, op, ch, cl);
+    return copy_bounce(s, step, op, c, ch, cl, 0);
+}
+
+/* ---- the progress loop ------------------------------------------------------------------ */
+
+static void activate(shm_t *s, mp_step *step)
+{
+    for (int i = 0; i < step->nops; i++) {
+        mp_op *op = step->ops[i];
+        atomic_store_explicit(&op->state, MP_OP_ACTIVE, memory_order_relaxed);
+        if (op->kind == MP_RECV) {
+            shm_chan *ch = shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
+            if (atomic_load_explicit(&ch->recv_posted, memory_order_relaxed) < op->seq + 1)
+                atomic_store_explicit(&ch->recv_posted, op->seq + 1, memory_order_relaxed);
+        }
+    }
+    step->activated = 1;
+}
+
+static int progress_lane(shm_t *s, step_queue *q)
+{
+    int moved = 0;
+    while (q->head) {
+        mp_step *step = q->head;
+        if (!step->activated) {
+            activate(s, step);
+            moved = 1;
+        }
+        for (int i = 0; i < step->nops; i++) {
+            mp_op *op = step->ops[i];
+            if (atomic_load_explicit(&op->state, memory_order_relaxed) == MP_OP_DONE)
+                continue;
+            moved |= op->kind == MP_SEND ? progress_send(s, step, op) : progress_recv(s, step, op);
+        }
+        if (step->remaining > 0)
+            break;
+        q->head = step->next;
+        if (!q->head)
+            q->tail = NULL;
+        free(step);
+        moved = 1;
+    }
+    return moved;
+}
+
+static void enqueue(step_queue *q, mp_step *step)
+{
+    step->next = NULL;
+    if (q->tail)
+        q->tail->next = step;
+    else
+        q->head = step;
+    q->tail = step;
+}
+
+static mp_result shm_abort_cause(mp_transport *t, int *rank)
+{
+    shm_header *h = shm_hdr(&as_shm(t)->v);
+    mp_result cause = (mp_result)atomic_load(&h->abort_cause);
+    if (rank)
+        *rank = atomic_load(&h->abort_rank);
+    return cause;
+}
+
+static void shm_abort(mp_transport *t, mp_result cause, int rank)
+{
+    shm_t *s = as_shm(t);
+    shm_header *h = shm_hdr(&s->v);
+    uint32_t none = MP_OK;
+    if (atomic_compare_exchange_strong(&h->abort_cause, &none, (uint32_t)cause))
+        atomic_store(&h->abort_rank, rank);
+    for (int r = 0; r < t->size; r++)
+        ring(s, r);
+}
+
+/* Fails everything once the communicator is aborted; from then on new steps fail on arrival. */
+static void fail_everything(shm_t *s)
+{
+    int rank;
+    mp_result cause = shm_abort_cause(&s->base, &rank);
+    char why[MP_DETAIL_LEN];
+    describe_cause(s, cause, rank, why, sizeof why);
+    mp_result r = cause == MP_ERR_TIMEOUT || cause == MP_ERR_PEER_DEAD ? cause : MP_ERR_ABORTED;
+    for (int l = 0; l < s->base.nlanes; l++)
+        fail_queue(s, &s->lanes[l], r, why);
+    s->failed = 1;
+}
+
+static void check_liveness(shm_t *s)
+{
+    for (int r = 0; r < s->base.size; r++) {
+        if (r == s->base.rank)
+            continue;
+        if (atomic_load(&shm_rank_at(&s->v, r)->state) == SHM_RANK_CLOSED)
+            continue;
+        int dead;
+        if (s->pidfds[r] >= 0) {
+            struct pollfd p = {s->pidfds[r], POLLIN, 0};
+            dead = poll(&p, 1, 0) > 0;
+        } else {
+            dead = kill(s->pids[r], 0) != 0 && errno == ESRCH;
+        }
+        if (dead) {
+            shm_abort(&s->base, MP_ERR_PEER_DEAD, r);
+            return;
+        }
+    }
+}
+
+static void *progress_main(void *arg)
+{
+    shm_t *s = arg;
+    shm_rank *me = my_slot(s);
+    double next_liveness = mp_now() + LIVENESS_PERIOD;
+    double idle_since = mp_now();
+    for (;;) {
+        uint32_t seen = atomic_load(&me->bell);
+        pthread_mutex_lock(&s->lock);
+        int stop = s->stop;
+        mp_step *in = s->incoming.head;
+        s->incoming.head = s->incoming.tail = NULL;
+        pthread_mutex_unlock(&s->lock);
+        while (in) {
+            mp_step *next = in->next;
+            enqueue(&s->lanes[in->lane], in);
+            in = next;
+        }
+        if (stop)
+            return NULL;
+
+        int moved = 0;
+        if (s->failed || shm_abort_cause(&s->base, NULL) != MP_OK) {
+            fail_everything(s); /* also fails steps posted while the abort raced in */
+        } else {
+            for (int l = 0; l < s->base.nlanes; l++)
+                moved |= progress_lane(s, &s->lanes[l]);
+        }
+
+        double now = mp_now();
+        if (now >= next_liveness) {
+            if (!s->failed)
+                check_liveness(s);
+            next_liveness = now + LIVENESS_PERIOD;
+        }
+        if (moved) {
+            idle_since = now;
+            continue;
+        }
+        if (now - idle_since < SPIN_SECONDS) {
+            mp_cpu_relax();
+            continue;
+        }
+        atomic_store(&me->sleeping, 1);
+        if (atomic_load(&me->bell) == seen)
+            mp_futex_wait(&me->bell, seen, next_liveness - now, 1);
+        atomic_store(&me->sleeping, 0);
+        idle_since = mp_now();
+    }
+}
+
+/* ---- the interface ---------------------------------------------------------------------- */
+
+static mp_result shm_post(mp_transport *t, mp_step *step)
+{
+    shm_t *s = as_shm(t);
+    if (shm_abort_cause(t, NULL) != MP_OK)
+        return MP_ERR_ABORTED;
+    step->remaining = step->nops;
+    step->activated = 0;
+    pthread_mutex_lock(&s->lock);
+    enqueue(&s->incoming, step);
+    pthread_mutex_unlock(&s->lock);
+    ring(s, t->rank);
+    return MP_OK;
+}
+
+static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)
+{
+    shm_t *s = as_shm(t);
+    double spin_until = mp_now() + SPIN_SECONDS;
+    for (;;) {
+        if (atomic_load_explicit(&op->state, memory_order_acquire) == MP_OP_DONE)
+            return MP_OK;
+        double now = mp_now();
+        if (now >= deadline)
+            return MP_ERR_TIMEOUT;
+        if (now < spin_until) {
+            mp_cpu_relax();
+            continue;
+        }
+        uint32_t c = atomic_load(&s->completions);
+        if (atomic_load_explicit(&op->state, memory_order_acquire) == MP_OP_DONE)
+            return MP_OK;
+        atomic_fetch_add(&s->waiters, 1);
+        mp_futex_wait(&s->completions, c, deadline - now < 0.1 ? deadline - now : 0.1, 0);
+        atomic_fetch_sub(&s->waiters, 1);
+    }
+}
+
+static void shm_describe_peer(mp_transport *t, const mp_op *op, char *buf, size_t len)
+{
+    shm_t *s = as_shm(t);
+    if (op->peer < 0 || op->peer >= t->size) {
+        snprintf(buf, len, "peer out of range");
+        return;
+    }
+    uint32_t st = atomic_load(&shm_rank_at(&s->v, op->peer)->state);
+    const char *closed = st == SHM_RANK_CLOSED ? "; it has closed the communicator" : "";
+    if (op->kind == MP_SEND) {
+        shm_chan *ch = shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, t->rank, op->peer));
+        snprintf(buf, len, "rank %d has posted %llu receive(s) from this rank on lane %d and finished %llu%s",
+                 op->peer_global, (unsigned long long)atomic_load(&ch->recv_posted), op->lane,
+                 (unsigned long long)atomic_load(&ch->done), closed);
+    } else {
+        shm_chan *ch = shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, t->rank));
+        snprintf(buf, len, "rank %d has posted %llu send(s) to this rank on lane %d%s", op->peer_global,
+                 (unsigned long long)atomic_load(&ch->posted), op->lane, closed);
+    }
+}
+
+static void shm_destroy(mp_transport *t)
+{
+    shm_t *s = as_shm(t);
+    if (s->thread_started) {
+        pthread_mutex_lock(&s->lock);
+        s->stop = 1;
+        pthread_mutex_unlock(&s->lock);
+        ring(s, t->rank);
+        pthread_join(s->thread, NULL);
+    }
+    int pending = s->incoming.head != NULL;
+    for (int l = 0; l < t->nlanes && !pending; l++)
+        pending = s->lanes[l].head != NULL;
+    if (s->v.base) {
+        if (pending && shm_abort_cause(t, NULL) == MP_OK)
+            shm_abort(t, MP_ERR_CLOSED, t->rank); /* peers waiting on these ops fail fast */
+        char why[MP_DETAIL_LEN];
+        snprintf(why, sizeof why, "communicator closed with this op pending");
+        fail_queue(s, &s->incoming, MP_ERR_CLOSED, why);
+        for (int l = 0; l < t->nlanes; l++)
+            fail_queue(s, &s->lanes[l], MP_ERR_CLOSED, why);
+        atomic_store(&my_slot(s)->state, SHM_RANK_CLOSED);
+        shm_segment_unmap(&s->v);
+    }
+    for (int r = 0; s->pidfds && r < t->size; r++)
+        if (s->pidfds[r] >= 0)
+            close(s->pidfds[r]);
+    pthread_mutex_destroy(&s->lock);
+    free(s->pidfds);
+    free(s->pids);
+    free(s->out);
+    free(s->in);
+    free(s->lanes);
+    free(s);
+}
+
+static const mp_transport_ops shm_ops = {
+    .name = "shm",
+    .post = shm_post,
+    .wait = shm_wait,
+    .abort = shm_abort,
+    .abort_cause = shm_abort_cause,
+    .describe_peer = shm_describe_peer,
+    .destroy = shm_destroy,
+};
+
+/* ---- creation --------------------------------------------------------------------------- */
+
+int mp_shm_new_name(char *buf, size_t len)
+{
+    unsigned char rnd[12];
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t got = read(fd, rnd, sizeof rnd);
+    close(fd);
+    if (got != (ssize_t)sizeof rnd)
+        return -1;
+    int n = snprintf(buf, len, "/mp2p-%d-", (int)getpid());
+    for (size_t i = 0; i < sizeof rnd && n + 2 < (int)len; i++)
+        n += snprintf(buf + n, len - (size_t)n, "%02x", rnd[i]);
+    return 0;
+}
+
+/* Waits until `counter` reaches the group size; names the missing ranks when it does not. */
+static mp_result wait_all(shm_t *s, _Atomic uint32_t *counter, uint32_t min_state, double deadline, const char *what,
+                          char *err, size_t errlen)
+{
+    while (atomic_load(counter) < (uint32_t)s->base.size) {
+        if (mp_now() > deadline) {
+            int n = snprintf(err, errlen, "timed out waiting for ranks to %s the shared-memory segment; missing:",
+                             what);
+            for (int r = 0; r < s->base.size && n < (int)errlen; r++)
+                if (atomic_load(&shm_rank_at(&s->v, r)->state) < min_state)
+                    n += snprintf(err + n, errlen - (size_t)n, " %d", r);
+            return MP_ERR_TIMEOUT;
+        }
+        usleep(200);
+    }
+    return MP_OK;
+}
+
+static void probe_single_copy(shm_t *s, int allow)
+{
+    for (int r = 0; r < s->base.size; r++) {
+        shm_rank *peer = shm_rank_at(&s->v, r);
+        uint64_t got = 0;
+        struct iovec local = {&got, sizeof got};
+        struct iovec remote = {(void *)(uintptr_t)peer->probe_addr, sizeof got};
+        int ok = allow && r != s->base.rank &&
+                 process_vm_readv(s->pids[r], &local, 1, &remote, 1, 0) == (ssize_t)sizeof got &&
+                 got == peer->probe_value;
+        atomic_store(shm_cma_at(&s->v, s->base.rank, r), (uint8_t)ok);
+    }
+}
+
+static int open_pidfd(pid_t pid)
+{
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+    (void)pid;
+    return -1;
+#endif
+}
+
+mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, size_t errlen)
+{
+    double deadline = mp_now() + cfg->timeout;
+    shm_t *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return MP_ERR_SYSTEM;
+    }
+    s->base.ops = &shm_ops;
+    s->base.rank = cfg->rank;
+    s->base.size = cfg->size;
+    s->base.nlanes = cfg->nlanes;
+    s->eager_threshold = cfg->eager_threshold;
+    pthread_mutex_init(&s->lock, NULL);
+    size_t nchan = (size_t)cfg->nlanes * (size_t)cfg->size;
+    s->pidfds = malloc(sizeof(int) * (size_t)cfg->size);
+    s->pids = calloc((size_t)cfg->size, sizeof(pid_t));
+    s->out = calloc(nchan, sizeof(chan_local));
+    s->in = calloc(nchan, sizeof(chan_local));
+    s->lanes = calloc((size_t)cfg->nlanes, sizeof(step_queue));
+    if (!s->pidfds || !s->pids || !s->out || !s->in || !s->lanes) {
+        free(s->pidfds);
+        s->pidfds = NULL;
+        shm_destroy(&s->base);
+        snprintf(err, errlen, "out of memory");
+        return MP_ERR_SYSTEM;
+    }
+    for (int r = 0; r < cfg->size; r++)
+        s->pidfds[r] = -1;
+
+    mp_result res = shm_segment_map(cfg->name, cfg->create, cfg->size, cfg->nlanes, cfg->eager_threshold, deadline,
+                                    &s->v, err, errlen);
+    if (res != MP_OK) {
+        shm_destroy(&s->base);
+        return res;
+    }
+    shm_header *h = shm_hdr(&s->v);
+    shm_rank *me = my_slot(s);
+    int32_t none = 0;
+    if (!atomic_compare_exchange_strong(&me->pid, &none, (int32_t)getpid())) {
+        snprintf(err, errlen, "rank %d is already attached to shared-memory segment %s (pid %d): two processes "
+                 "claim the same group rank", cfg->rank, cfg->name, (int)none);
+        shm_destroy(&s->base);
+        return MP_ERR_MISMATCH;
+    }
+    s->probe_word = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s ^ 0x9e3779b97f4a7c15ull;
+    me->probe_addr = (uint64_t)(uintptr_t)&s->probe_word;
+    me->probe_value = s->probe_word;
+    atomic_store(&me->state, SHM_RANK_ATTACHED);
+    atomic_fetch_add(&h->attached, 1);
+
+    res = wait_all(s, &h->attached, SHM_RANK_ATTACHED, deadline, "attach to", err, errlen);
+    shm_unlink(cfg->name); /* everyone is in (or the job failed): the name is no longer needed */
+    if (res != MP_OK) {
+        shm_destroy(&s->base);
+        return res;
+    }
+    for (int r = 0; r < cfg->size; r++) {
+        s->pids[r] = (pid_t)atomic_load(&shm_rank_at(&s->v, r)->pid);
+        if (r != cfg->rank)
+            s->pidfds[r] = open_pidfd(s->pids[r]);
+    }
+    probe_single_copy(s, cfg->allow_cma);
+    atomic_store(&me->state, SHM_RANK_READY);
+    atomic_fetch_add(&h->ready, 1);
+    res = wait_all(s, &h->ready, SHM_RANK_READY, deadline, "finish connecting to", err, errlen);
+    if (res != MP_OK) {
+        shm_destroy(&s->base);
+        return res;
+    }
+    if (pthread_create(&s->thread, NULL, progress_main, s) != 0) {
+        snprintf(err, errlen, "cannot start the progress thread: %s", strerror(errno));
+        shm_destroy(&s->base);
+        return MP_ERR_SYSTEM;
+    }
+    s->thread_started = 1;
+    *out = &s->base;
+    return MP_OK;
+}
+
+int mp_shm_single_copy(mp_transport *t, int peer)
+{
+    shm_t *s = as_shm(t);
+    if (peer < 0 || peer >= t->size)
+        return 0;
+    return atomic_load(shm_cma_at(&s->v, t->rank, peer));
+}

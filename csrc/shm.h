@@ -1,0 +1,35 @@
+/* The CPU transport: processes on one host exchange through one shared-memory segment, with
+ * NCCL's semantics (strict rendezvous unless under the eager threshold) and a progress thread. */
+#ifndef MP_SHM_H
+#define MP_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "transport.h"
+
+typedef struct {
+    const char *name;         /* from mp_shm_new_name() on the group's rank 0 */
+    int rank;
+    int size;
+    int nlanes;
+    int create;               /* this rank creates the segment; the others attach */
+    uint64_t eager_threshold; /* sends up to this many bytes complete without a posted receive */
+    double timeout;           /* for the other ranks to attach */
+    int allow_cma;            /* 0: always copy through shared memory (two copies) */
+} mp_shm_config;
+
+#define MP_SHM_NAME_LEN 64
+#define MP_SHM_MAX_EAGER (1u << 20)
+
+/* "/mp2p-<pid>-<random>": unguessable, and the pid lets a later job remove a segment left by a
+ * creator killed before every rank attached. */
+int mp_shm_new_name(char *buf, size_t len);
+
+/* Collective over the group: returns once every rank has attached and the name is unlinked. */
+mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, size_t errlen);
+
+/* Whether single-copy reads from `peer` work (for tests and reports). */
+int mp_shm_single_copy(mp_transport *t, int peer);
+
+#endif

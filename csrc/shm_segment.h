@@ -1,0 +1,116 @@
+/* Layout of the shared segment, and creating, attaching to and removing it. Everything here is
+ * read by processes that trust each other only as far as bounds checks go. */
+#ifndef MP_SHM_SEGMENT_H
+#define MP_SHM_SEGMENT_H
+
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "result.h"
+
+#define SHM_MAGIC 0x6d70327073686d31ULL /* "mp2pshm1" */
+#define SHM_VERSION 1u
+#define SHM_NSLOTS 8u          /* descriptors in flight per channel (NCCL-like buffering depth) */
+#define SHM_NCHUNKS 4u         /* bounce-buffer chunks per channel (two-copy path) */
+#define SHM_INLINE_BYTES 4096u /* messages up to this size travel inside the descriptor slot */
+
+enum { SHM_RANK_EMPTY = 0, SHM_RANK_ATTACHED = 1, SHM_RANK_READY = 2, SHM_RANK_CLOSED = 3 };
+enum { SHM_PATH_INLINE = 0, SHM_PATH_CMA = 1, SHM_PATH_BOUNCE = 2 };
+
+typedef struct {
+    alignas(64) _Atomic int32_t pid;
+    _Atomic uint32_t state;
+    _Atomic uint32_t bell;     /* futex word: bumped by anyone who has news for this rank */
+    _Atomic uint32_t sleeping; /* the rank's progress thread waits on `bell` */
+    uint64_t probe_addr;       /* address of a word peers read to test single-copy access */
+    uint64_t probe_value;
+} shm_rank;
+
+/* A send descriptor. The sender fills the first part before publishing it; the receiver fills
+ * the second part before bumping `done`. */
+typedef struct {
+    uint64_t nbytes;
+    uint64_t addr; /* sender's buffer, for single-copy reads */
+    int32_t dtype;
+    uint32_t label;
+    uint32_t path;
+    uint32_t result;
+    uint64_t recv_nbytes;
+    int32_t recv_dtype;
+    uint32_t recv_label;
+} shm_slot;
+
+/* Channel (lane, src -> dst). Sender-written and receiver-written words sit on separate lines. */
+typedef struct {
+    alignas(64) _Atomic uint64_t posted; /* descriptors published by the sender */
+    _Atomic uint64_t produced;           /* bounce chunks written, cumulative */
+    alignas(64) _Atomic uint64_t done;   /* receives finished by the receiver */
+    _Atomic uint64_t recv_posted;        /* receives the receiver has made active */
+    _Atomic uint64_t consumed;           /* bounce chunks read, cumulative */
+    alignas(64) shm_slot slots[SHM_NSLOTS];
+} shm_chan;
+
+typedef struct {
+    uint64_t magic; /* written last by the creator */
+    uint32_t version;
+    uint32_t size;
+    uint32_t nlanes;
+    uint32_t reserved;
+    uint64_t slot_bytes;
+    uint64_t chunk_bytes;
+    uint64_t eager_threshold;
+    uint64_t total_bytes;
+    _Atomic uint32_t attached;
+    _Atomic uint32_t ready;
+    _Atomic uint32_t abort_cause; /* mp_result; the first cause wins */
+    _Atomic int32_t abort_rank;
+} shm_header;
+
+typedef struct {
+    uint64_t ranks, cma, chans, inline_data, bounce, total; /* byte offsets */
+    uint64_t slot_bytes, chunk_bytes;
+    uint32_t nchans;
+} shm_layout;
+
+/* Views of a mapped segment; every index is checked by the caller against size / nlanes. */
+typedef struct {
+    char *base;
+    shm_layout lay;
+    int size;
+    int nlanes;
+} shm_view;
+
+static inline shm_header *shm_hdr(const shm_view *v) { return (shm_header *)v->base; }
+static inline shm_rank *shm_rank_at(const shm_view *v, int r) { return (shm_rank *)(v->base + v->lay.ranks) + r; }
+static inline _Atomic uint8_t *shm_cma_at(const shm_view *v, int reader, int owner)
+{
+    return (_Atomic uint8_t *)(v->base + v->lay.cma) + (size_t)reader * (size_t)v->size + (size_t)owner;
+}
+static inline uint32_t shm_chan_index(const shm_view *v, int lane, int src, int dst)
+{
+    return ((uint32_t)lane * (uint32_t)v->size + (uint32_t)src) * (uint32_t)v->size + (uint32_t)dst;
+}
+static inline shm_chan *shm_chan_at(const shm_view *v, uint32_t c) { return (shm_chan *)(v->base + v->lay.chans) + c; }
+static inline char *shm_inline_at(const shm_view *v, uint32_t c, uint64_t seq)
+{
+    return v->base + v->lay.inline_data + ((uint64_t)c * SHM_NSLOTS + seq % SHM_NSLOTS) * v->lay.slot_bytes;
+}
+static inline char *shm_chunk_at(const shm_view *v, uint32_t c, uint64_t chunk)
+{
+    return v->base + v->lay.bounce + ((uint64_t)c * SHM_NCHUNKS + chunk % SHM_NCHUNKS) * v->lay.chunk_bytes;
+}
+
+void shm_layout_compute(int size, int nlanes, uint64_t eager_threshold, shm_layout *out);
+
+/* Creates (mode 0600, exclusive) or attaches to `name` and maps it into `v`. Attaching retries
+ * until the creator has published the header or `deadline` passes, then checks that the header
+ * agrees with this rank's arguments. */
+mp_result shm_segment_map(const char *name, int create, int size, int nlanes, uint64_t eager_threshold,
+                          double deadline, shm_view *v, char *err, size_t errlen);
+void shm_segment_unmap(shm_view *v);
+/* Removes segments whose creating process no longer exists. */
+void shm_segment_sweep_stale(void);
+
+#endif

@@ -1,0 +1,67 @@
+#include "bindings.h"
+
+static int attr_true(PyObject *obj, PyObject *name, int call)
+{
+    PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (!v)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static int attr_u64(PyObject *obj, PyObject *name, int call, uint64_t *out)
+{
+    PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (!v)
+        return -1;
+    *out = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, mp_buffer *out)
+{
+    if (!PyObject_TypeCheck(obj, (PyTypeObject *)st->tensor_type)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, not %.100s", what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *dtype = PyObject_GetAttr(obj, st->str_dtype);
+    if (!dtype)
+        return -1;
+    PyObject *code = PyDict_GetItemWithError(st->dtype_codes, dtype);
+    if (!code) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "%s has dtype %R, which has no plain-bytes wire format", what, dtype);
+        Py_DECREF(dtype);
+        return -1;
+    }
+    Py_DECREF(dtype);
+    out->dtype = (int)PyLong_AsLong(code);
+
+    int cpu = attr_true(obj, st->str_is_cpu, 0);
+    if (cpu < 0)
+        return -1;
+    if (!cpu) {
+        PyObject *dev = PyObject_GetAttr(obj, st->str_device);
+        if (dev) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s is on device '%S'; the shm backend carries tensors in CPU memory only", what, dev);
+            Py_DECREF(dev);
+        }
+        return -1;
+    }
+    int contiguous = attr_true(obj, st->str_is_contiguous, 1);
+    if (contiguous < 0)
+        return -1;
+    if (!contiguous) {
+        PyErr_Format(PyExc_ValueError, "%s is not contiguous; pass tensor.contiguous() (the wire format is its bytes)",
+                     what);
+        return -1;
+    }
+    uint64_t ptr;
+    if (attr_u64(obj, st->str_nbytes, 0, &out->nbytes) < 0 || attr_u64(obj, st->str_data_ptr, 1, &ptr) < 0)
+        return -1;
+    out->ptr = (void *)(uintptr_t)ptr;
+    return 0;
+}

@@ -1,0 +1,38 @@
+/* The transport interface: what the bindings drive, whichever transport sits behind it.
+ * A transport runs steps (groups of ops); each lane runs its steps in issue order, a step's
+ * ops progress together, and the k-th send from A to B on a lane meets B's k-th receive from A. */
+#ifndef MP_TRANSPORT_H
+#define MP_TRANSPORT_H
+
+#include <stddef.h>
+
+#include "op.h"
+#include "result.h"
+
+typedef struct mp_transport mp_transport;
+
+typedef struct {
+    const char *name;
+    /* Takes ownership of `step`; its ops are left QUEUED and reach DONE later. Fails only when
+     * the communicator is aborted or closed (nothing is posted then). */
+    mp_result (*post)(mp_transport *t, mp_step *step);
+    /* Blocks until `op` is DONE or `deadline` (mp_now() seconds) passes: MP_ERR_TIMEOUT. */
+    mp_result (*wait)(mp_transport *t, mp_op *op, double deadline);
+    /* Fails every pending op here and at every peer; the first cause recorded wins. */
+    void (*abort)(mp_transport *t, mp_result cause, int rank);
+    /* Why the communicator is unusable (MP_OK while it is usable), and which rank caused it. */
+    mp_result (*abort_cause)(mp_transport *t, int *rank);
+    /* One line on what is known of `op`'s peer, for timeout reports. */
+    void (*describe_peer)(mp_transport *t, const mp_op *op, char *buf, size_t len);
+    /* Stops progress, fails what is pending with MP_ERR_CLOSED, frees everything. */
+    void (*destroy)(mp_transport *t);
+} mp_transport_ops;
+
+struct mp_transport {
+    const mp_transport_ops *ops;
+    int rank;
+    int size;
+    int nlanes;
+};
+
+#endif

@@ -1,0 +1,110 @@
+"""Creating a communicator: the group's rank 0 makes a unique id, the torch.distributed store
+carries it to the other ranks, and every rank attaches."""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import weakref
+from typing import Optional
+
+import torch.distributed as dist
+
+from . import _C
+
+BACKENDS = ("shm", "auto")
+_STORE_PREFIX = "megatron_p2p"
+_live: "weakref.WeakSet[_C.Communicator]" = weakref.WeakSet()
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, int, list[int]]:
+    """The store to bootstrap through, this process's global rank, and the group's global ranks."""
+    if dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        if me not in ranks:
+            raise ValueError(f"global rank {me} is not a member of the group {ranks}")
+        return store, me, ranks
+    if group is not None:
+        raise ValueError("a group was given but torch.distributed is not initialised")
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "init_communicator needs torch.distributed initialised or torchrun's environment; "
+            f"missing {', '.join(missing)}"
+        )
+    store, me, world = next(dist.rendezvous("env://"))
+    return store, me, list(range(world))
+
+
+def init_communicator(
+    group: Optional[dist.ProcessGroup] = None,
+    backend: str = "shm",
+    timeout: float = 300.0,
+    *,
+    lanes: int = 2,
+    eager_threshold: int = 0,
+) -> _C.Communicator:
+    """Creates a communicator over `group` (None: every rank). Collective: every member calls it.
+
+    backend: "shm" (processes on one host, CPU tensors) or "auto" (shm for CPU tensors).
+    timeout: seconds any wait may block before raising P2PTimeoutError and aborting.
+    lanes: 2 runs forward ops (send_next / recv_prev) and backward ops on independent queues;
+        1 runs everything on one queue, as megatron-core does on one stream.
+    eager_threshold: sends up to this many bytes complete before their receive is posted
+        (NCCL may buffer small sends; the default 0 is strict rendezvous, which exposes
+        ordering bugs at every size).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if lanes not in (1, 2):
+        raise ValueError(f"lanes must be 1 or 2, got {lanes!r}")
+    if not isinstance(eager_threshold, int) or not 0 <= eager_threshold <= _C.MAX_EAGER_THRESHOLD:
+        raise ValueError(f"eager_threshold must be an int in [0, {_C.MAX_EAGER_THRESHOLD}], got {eager_threshold!r}")
+
+    store, me, ranks = _store_and_ranks(group)
+    group_rank = ranks.index(me)
+    base = f"{_STORE_PREFIX}/{'-'.join(map(str, ranks))}"
+    # Creation is collective and ends in a barrier inside the transport, so the n-th call of
+    # every member lands in the same generation.
+    generation = (store.add(f"{base}/count", 1) - 1) // len(ranks)
+    key = f"{base}/{generation}/id"
+    if group_rank == 0:
+        unique_id = _C.new_unique_id()
+        store.set(key, unique_id)
+    else:
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        unique_id = store.get(key).decode()
+    comm = _C.Communicator(
+        "shm",
+        unique_id,
+        group_rank,
+        ranks,
+        lanes=lanes,
+        eager_threshold=eager_threshold,
+        timeout=float(timeout),
+        single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True),
+    )
+    _live.add(comm)
+    return comm
+
+
+@atexit.register
+def _close_live() -> None:
+    # A rank that exits with its communicator closed is not reported to its peers as dead.
+    for comm in list(_live):
+        comm.close()

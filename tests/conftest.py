@@ -1,0 +1,126 @@
+"""The torchrun harness: each multi-rank test runs a worker script under torchrun in its own
+session, with a wall-clock limit. Past the limit every rank's stacks are collected and the
+process group is killed, so a test can fail but never hang the suite."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+@dataclass
+class Job:
+    returncode: int
+    ranks: list[Optional[dict[str, Any]]]  # per global rank: what the worker returned, or None
+    output: str
+
+    def ok(self) -> list[dict[str, Any]]:
+        """Every rank's result, failing the test with the job's output if any rank failed."""
+        bad = [r for r, res in enumerate(self.ranks) if res is None or not res.get("ok")]
+        if bad:
+            details = "\n".join(
+                f"--- rank {r}: " + ("no result" if self.ranks[r] is None else self.ranks[r].get("traceback", ""))
+                for r in bad
+            )
+            pytest.fail(f"ranks {bad} failed:\n{details}\n--- job output (tail):\n{self.output[-6000:]}")
+        return self.ranks  # type: ignore[return-value]
+
+
+def _stacks(result_dir: Path) -> str:
+    parts = []
+    for path in sorted(result_dir.glob("stack*.txt")):
+        text = path.read_text(errors="replace").strip()
+        parts.append(f"--- {path.stem}:\n{text or '(no stack: the rank had not started or had exited)'}")
+    return "\n".join(parts)
+
+
+def _job_pids(token: str) -> list[int]:
+    """Every process carrying the job's token: torchrun starts each rank in a session of its
+    own, so the launcher's process group does not reach them."""
+    marker = f"MP_JOB_TOKEN={token}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _signal_job(token: str, sig: int) -> None:
+    for pid in _job_pids(token):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def run_job(
+    worker: str,
+    nproc: int,
+    params: Optional[dict[str, Any]] = None,
+    timeout: float = 120.0,
+    env: Optional[dict[str, str]] = None,
+) -> Job:
+    """Runs tests/workers/<worker> on `nproc` ranks; each rank's body gets `params`."""
+    with tempfile.TemporaryDirectory(prefix="mp2p-job-") as tmp:
+        result_dir = Path(tmp)
+        job_env = dict(os.environ)
+        job_env.update(
+            MP_RESULT_DIR=str(result_dir),
+            MP_PARAMS=json.dumps(params or {}),
+            MP_JOB_TOKEN=result_dir.name,
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            TORCHELASTIC_ERROR_FILE=str(result_dir / "torchelastic.json"),
+        )
+        job_env.update(env or {})
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--monitor-interval=0.2", str(WORKERS / worker),
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env, start_new_session=True
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _signal_job(result_dir.name, signal.SIGUSR1)  # workers dump their stacks (harness.py)
+            time.sleep(2.0)
+            _signal_job(result_dir.name, signal.SIGKILL)
+            output, _ = proc.communicate()
+            pytest.fail(
+                f"{worker} on {nproc} ranks passed its {timeout:.0f} s limit and was killed.\n"
+                f"{_stacks(result_dir)}\n--- job output (tail):\n{output[-6000:]}"
+            )
+        _signal_job(result_dir.name, signal.SIGKILL)  # a rank that outlived its launcher
+        ranks: list[Optional[dict[str, Any]]] = []
+        for r in range(nproc):
+            path = result_dir / f"rank{r}.json"
+            ranks.append(json.loads(path.read_text()) if path.exists() else None)
+        return Job(proc.returncode, ranks, output)
+
+
+@pytest.fixture
+def torchrun():
+    """torchrun(worker, nproc, params=None, timeout=120, env=None) -> Job"""
+    return run_job
+
+
+def shm_segments() -> set[str]:
+    """Names of this package's shared-memory segments that exist now."""
+    return {p.name for p in Path("/dev/shm").glob("mp2p-*")}

@@ -1,0 +1,36 @@
+"""Runs a worker body on one rank and writes what it returned (or raised) for the parent test.
+
+The body gets the job's params (a dict). Stacks of every thread are dumped on SIGUSR1, which
+the parent sends before it kills a job that passed its limit."""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+# Workers import the package from the source tree when it is not installed.
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
+
+
+def run(body: Callable[[dict[str, Any]], Any]) -> None:
+    rank = int(os.environ["RANK"])
+    out = Path(os.environ["MP_RESULT_DIR"])
+    stack_file = open(out / f"stack{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    params = json.loads(os.environ.get("MP_PARAMS", "{}"))
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        returned = body(params)
+        if returned is not None:
+            result["value"] = returned
+        result["ok"] = True
+    except BaseException as exc:  # the parent asserts on what was raised
+        result.update(ok=False, error_type=type(exc).__name__, error=str(exc), traceback=traceback.format_exc())
+    tmp = out / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out / f"rank{rank}.json")
