@@ -1,6 +1,7 @@
-/* The shm transport's engine. One progress thread per communicator owns every op after it is
- * posted: it alone matches, copies and completes, so the engine state below needs no lock.
- * The bindings' thread only queues steps (under `lock`) and waits on `completions`. */
+/* The shm transport's engine. Posted ops belong to the engine: whoever holds `engine` matches,
+ * copies and completes them. That is the progress thread, so ops progress while Python
+ * computes, or the caller's own thread while it posts or waits, so a waiting rank reacts
+ * without a futex wake on its critical path. */
 #include "shm.h"
 
 #include <errno.h>
@@ -54,13 +55,15 @@ typedef struct {
 
     pthread_t thread;
     int thread_started;
-    pthread_mutex_t lock; /* guards `incoming` and `stop` */
+    pthread_mutex_t engine; /* guards lanes, out, in, failed: the engine state */
+    pthread_mutex_t lock;   /* guards `incoming` and `stop` */
     step_queue incoming;
     int stop;
 
     _Atomic uint32_t completions; /* futex word for waiters in this process */
     _Atomic uint32_t waiters;
-    int failed; /* engine-private: abort seen, everything failed */
+    _Atomic uint32_t drivers;     /* threads progressing from shm_wait */
+    int failed; /* abort seen, everything failed */
 } shm_t;
 
 static shm_t *as_shm(mp_transport *t) { return (shm_t *)t; }
@@ -452,6 +455,29 @@ static void check_liveness(shm_t *s)
     }
 }
 
+/* Moves newly posted steps onto their lanes and progresses every lane once. Caller holds
+ * `engine`. Returns whether anything happened. */
+static int engine_pass(shm_t *s)
+{
+    pthread_mutex_lock(&s->lock);
+    mp_step *in = s->incoming.head;
+    s->incoming.head = s->incoming.tail = NULL;
+    pthread_mutex_unlock(&s->lock);
+    int moved = in != NULL;
+    while (in) {
+        mp_step *next = in->next;
+        enqueue(&s->lanes[in->lane], in);
+        in = next;
+    }
+    if (s->failed || shm_abort_cause(&s->base, NULL) != MP_OK) {
+        fail_everything(s); /* also fails steps posted while the abort raced in */
+        return moved;
+    }
+    for (int l = 0; l < s->base.nlanes; l++)
+        moved |= progress_lane(s, &s->lanes[l]);
+    return moved;
+}
+
 static void *progress_main(void *arg)
 {
     shm_t *s = arg;
@@ -462,28 +488,17 @@ static void *progress_main(void *arg)
         uint32_t seen = atomic_load(&me->bell);
         pthread_mutex_lock(&s->lock);
         int stop = s->stop;
-        mp_step *in = s->incoming.head;
-        s->incoming.head = s->incoming.tail = NULL;
         pthread_mutex_unlock(&s->lock);
-        while (in) {
-            mp_step *next = in->next;
-            enqueue(&s->lanes[in->lane], in);
-            in = next;
-        }
         if (stop)
             return NULL;
-
-        int moved = 0;
-        if (s->failed || shm_abort_cause(&s->base, NULL) != MP_OK) {
-            fail_everything(s); /* also fails steps posted while the abort raced in */
-        } else {
-            for (int l = 0; l < s->base.nlanes; l++)
-                moved |= progress_lane(s, &s->lanes[l]);
-        }
+        pthread_mutex_lock(&s->engine);
+        int moved = engine_pass(s);
+        int failed = s->failed;
+        pthread_mutex_unlock(&s->engine);
 
         double now = mp_now();
         if (now >= next_liveness) {
-            if (!s->failed)
+            if (!failed)
                 check_liveness(s);
             next_liveness = now + LIVENESS_PERIOD;
         }
@@ -491,7 +506,9 @@ static void *progress_main(void *arg)
             idle_since = now;
             continue;
         }
-        if (now - idle_since < SPIN_SECONDS) {
+        /* A thread waiting in shm_wait drives progress itself; spinning here too would only
+         * take its core. */
+        if (now - idle_since < SPIN_SECONDS && !atomic_load(&s->drivers)) {
             mp_cpu_relax();
             continue;
         }
@@ -515,26 +532,57 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     pthread_mutex_lock(&s->lock);
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);
-    ring(s, t->rank);
+    /* Publish at once when the engine is free; otherwise its holder is running and the bell
+     * makes sure it looks again. */
+    if (pthread_mutex_trylock(&s->engine) == 0) {
+        engine_pass(s);
+        pthread_mutex_unlock(&s->engine);
+    } else {
+        ring(s, t->rank);
+    }
     return MP_OK;
+}
+
+static int op_done(const mp_op *op)
+{
+    return atomic_load_explicit(&((mp_op *)op)->state, memory_order_acquire) == MP_OP_DONE;
+}
+
+/* Progresses from the caller's thread while things move, for at most SPIN_SECONDS of calm. */
+static void drive(shm_t *s, const mp_op *op, double deadline)
+{
+    atomic_fetch_add(&s->drivers, 1);
+    double calm_until = mp_now() + SPIN_SECONDS;
+    for (;;) {
+        if (op_done(op))
+            break;
+        double now = mp_now();
+        if (now >= deadline || now >= calm_until)
+            break;
+        if (pthread_mutex_trylock(&s->engine) == 0) {
+            if (engine_pass(s))
+                calm_until = now + SPIN_SECONDS;
+            pthread_mutex_unlock(&s->engine);
+        } else {
+            mp_cpu_relax();
+        }
+    }
+    atomic_fetch_sub(&s->drivers, 1);
 }
 
 static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)
 {
     shm_t *s = as_shm(t);
-    double spin_until = mp_now() + SPIN_SECONDS;
+    drive(s, op, deadline);
     for (;;) {
-        if (atomic_load_explicit(&op->state, memory_order_acquire) == MP_OP_DONE)
+        if (op_done(op))
             return MP_OK;
         double now = mp_now();
         if (now >= deadline)
             return MP_ERR_TIMEOUT;
-        if (now < spin_until) {
-            mp_cpu_relax();
-            continue;
-        }
+        /* The progress thread takes over; it bumps `completions` when an op finishes. */
         uint32_t c = atomic_load(&s->completions);
-        if (atomic_load_explicit(&op->state, memory_order_acquire) == MP_OP_DONE)
+        if (op_done(op))
             return MP_OK;
         atomic_fetch_add(&s->waiters, 1);
         mp_futex_wait(&s->completions, c, deadline - now < 0.1 ? deadline - now : 0.1, 0);
@@ -573,10 +621,11 @@ static void shm_destroy(mp_transport *t)
         ring(s, t->rank);
         pthread_join(s->thread, NULL);
     }
-    int pending = s->incoming.head != NULL;
-    for (int l = 0; l < t->nlanes && !pending; l++)
-        pending = s->lanes[l].head != NULL;
     if (s->v.base) {
+        pthread_mutex_lock(&s->engine);
+        int pending = s->incoming.head != NULL;
+        for (int l = 0; l < t->nlanes && !pending; l++)
+            pending = s->lanes[l].head != NULL;
         if (pending && shm_abort_cause(t, NULL) == MP_OK)
             shm_abort(t, MP_ERR_CLOSED, t->rank); /* peers waiting on these ops fail fast */
         char why[MP_DETAIL_LEN];
@@ -584,6 +633,10 @@ static void shm_destroy(mp_transport *t)
         fail_queue(s, &s->incoming, MP_ERR_CLOSED, why);
         for (int l = 0; l < t->nlanes; l++)
             fail_queue(s, &s->lanes[l], MP_ERR_CLOSED, why);
+        pthread_mutex_unlock(&s->engine);
+        /* Threads still in shm_wait see their op finished and leave; then `s` can go. */
+        while (atomic_load(&s->drivers) || atomic_load(&s->waiters))
+            usleep(100);
         atomic_store(&my_slot(s)->state, SHM_RANK_CLOSED);
         shm_segment_unmap(&s->v);
     }
@@ -591,6 +644,7 @@ static void shm_destroy(mp_transport *t)
         if (s->pidfds[r] >= 0)
             close(s->pidfds[r]);
     pthread_mutex_destroy(&s->lock);
+    pthread_mutex_destroy(&s->engine);
     free(s->pidfds);
     free(s->pids);
     free(s->out);
@@ -683,6 +737,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->base.nlanes = cfg->nlanes;
     s->eager_threshold = cfg->eager_threshold;
     pthread_mutex_init(&s->lock, NULL);
+    pthread_mutex_init(&s->engine, NULL);
     size_t nchan = (size_t)cfg->nlanes * (size_t)cfg->size;
     s->pidfds = malloc(sizeof(int) * (size_t)cfg->size);
     s->pids = calloc((size_t)cfg->size, sizeof(pid_t));

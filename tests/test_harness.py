@@ -11,7 +11,7 @@ def test_results_come_back_from_every_rank(torchrun):
 
 def test_a_hung_job_is_killed_and_its_stacks_reported():
     with pytest.raises(pytest.fail.Exception) as info:
-        run_job("sleeper.py", 2, timeout=8)
+        run_job("sleeper.py", 1, timeout=20)  # long enough for torch to import under load
     message = str(info.value)
-    assert "passed its 8 s limit" in message
+    assert "passed its 20 s limit" in message
     assert "sleep_forever" in message  # a frame of the hung rank's stack
