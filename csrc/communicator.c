@@ -343,7 +343,11 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
     self->lane_steps[lane]++;
     step->lane = lane;
     step->nops = nops;
-    mp_result r = self->transport->ops->post(self->transport, step);
+    mp_transport *t = self->transport;
+    mp_result r;
+    Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
+    r = t->ops->post(t, step);
+    Py_END_ALLOW_THREADS
     if (r != MP_OK) {
         PyMem_RawFree(step);
         Py_DECREF(reqs);

@@ -73,8 +73,16 @@ static void ring(shm_t *s, int rank)
 {
     shm_rank *r = shm_rank_at(&s->v, rank);
     atomic_fetch_add(&r->bell, 1);
-    if (atomic_load(&r->sleeping))
+    if (atomic_load(&r->sleeping) && !atomic_load(&r->driving))
         mp_futex_wake(&r->bell, 1);
+}
+
+/* News for the peer of an op, from the engine. This process's own news is seen by the engine
+ * holder, which passes again whenever a pass moved anything. */
+static void ring_peer(shm_t *s, const mp_op *op)
+{
+    if (op->peer != s->base.rank)
+        ring(s, op->peer);
 }
 
 /* ---- completion ---------------------------------------------------------------------- */
@@ -163,7 +171,7 @@ static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan
     }
     atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
     cl->published = op->seq + 1;
-    ring(s, op->peer);
+    ring_peer(s, op);
     if (sl->path == SHM_PATH_INLINE && op->nbytes <= s->eager_threshold) {
         finish(s, step, op, MP_OK); /* buffered: completes without the receive */
         return 1;
@@ -188,7 +196,7 @@ static int stream_send(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local
         moved = 1;
     }
     if (moved)
-        ring(s, op->peer);
+        ring_peer(s, op);
     if (op->progress == op->nbytes) {
         cl->streamed++;
         op->phase = PH_WAIT_DONE;
@@ -238,7 +246,7 @@ static void recv_done(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_loc
     sl->result = (uint32_t)r;
     cl->recv_next++;
     atomic_store_explicit(&ch->done, cl->recv_next, memory_order_release);
-    ring(s, op->peer);
+    ring_peer(s, op);
     finish(s, step, op, r);
 }
 
@@ -327,7 +335,7 @@ static int copy_bounce(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan 
         moved = 1;
     }
     if (moved)
-        ring(s, op->peer);
+        ring_peer(s, op);
     if (op->progress == total) {
         recv_done(s, step, op, ch, cl, skip ? MP_ERR_MISMATCH : MP_OK);
         moved = 1;
@@ -535,7 +543,8 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     /* Publish at once when the engine is free; otherwise its holder is running and the bell
      * makes sure it looks again. */
     if (pthread_mutex_trylock(&s->engine) == 0) {
-        engine_pass(s);
+        while (engine_pass(s))
+            ;
         pthread_mutex_unlock(&s->engine);
     } else {
         ring(s, t->rank);
@@ -551,7 +560,10 @@ static int op_done(const mp_op *op)
 /* Progresses from the caller's thread while things move, for at most SPIN_SECONDS of calm. */
 static void drive(shm_t *s, const mp_op *op, double deadline)
 {
+    shm_rank *me = my_slot(s);
     atomic_fetch_add(&s->drivers, 1);
+    atomic_fetch_add(&me->driving, 1);
+    uint32_t seen = atomic_load(&me->bell);
     double calm_until = mp_now() + SPIN_SECONDS;
     for (;;) {
         if (op_done(op))
@@ -560,14 +572,19 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         if (now >= deadline || now >= calm_until)
             break;
         if (pthread_mutex_trylock(&s->engine) == 0) {
-            if (engine_pass(s))
+            seen = atomic_load(&me->bell);
+            while (engine_pass(s))
                 calm_until = now + SPIN_SECONDS;
             pthread_mutex_unlock(&s->engine);
         } else {
             mp_cpu_relax();
         }
     }
+    atomic_fetch_sub(&me->driving, 1);
     atomic_fetch_sub(&s->drivers, 1);
+    /* Rings that came after the last pass skipped the wake: hand them to the progress thread. */
+    if (atomic_load(&me->bell) != seen && atomic_load(&me->sleeping))
+        mp_futex_wake(&me->bell, 1);
 }
 
 static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)

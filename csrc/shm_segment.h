@@ -24,6 +24,7 @@ typedef struct {
     _Atomic uint32_t state;
     _Atomic uint32_t bell;     /* futex word: bumped by anyone who has news for this rank */
     _Atomic uint32_t sleeping; /* the rank's progress thread waits on `bell` */
+    _Atomic uint32_t driving;  /* threads of the rank progressing from a wait: no wake needed */
     uint64_t probe_addr;       /* address of a word peers read to test single-copy access */
     uint64_t probe_value;
 } shm_rank;
