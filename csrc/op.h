@@ -46,9 +46,11 @@ typedef struct mp_op {
     uint64_t progress;
     uint64_t skip_total;
     int phase;
+    int index;            /* position in its step's ops */
 } mp_op;
 
-/* A group of ops issued together on one lane. Owned by the transport once posted. */
+/* A group of ops issued together on one lane. Owned by the transport once posted; an op's
+ * entry is cleared when the op finishes, because its Request may be freed from then on. */
 typedef struct mp_step {
     int lane;
     int nops;

@@ -51,8 +51,9 @@ static PyObject *failure_type(mp_state *st, mp_result r)
 void mp_raise_op_failure(CommObject *comm, const mp_op *op)
 {
     const char *peer_dir = op->kind == MP_SEND ? "to" : "from";
-    PyObject *msg = PyUnicode_FromFormat("%s %s rank %d (%llu bytes of %s, lane %d, message #%llu) failed: %s",
-                                         mp_label_name(op->label), peer_dir, op->peer_global,
+    PyObject *msg = PyUnicode_FromFormat("rank %d: %s %s rank %d (%llu bytes of %s, lane %d, message #%llu) failed: %s",
+                                         comm->global_ranks[comm->group_rank], mp_label_name(op->label), peer_dir,
+                                         op->peer_global,
                                          (unsigned long long)op->nbytes, mp_dtype_name(op->dtype), op->lane,
                                          (unsigned long long)op->seq, op->detail);
     if (!msg)
@@ -89,11 +90,13 @@ int mp_request_complete(RequestObject *req, double timeout)
             PyObject *report = mp_comm_pending_report(comm);
             t->ops->abort(t, MP_ERR_TIMEOUT, comm->group_rank);
             if (report) {
+                char seconds[32]; /* PyErr_Format has no float conversion */
+                snprintf(seconds, sizeof seconds, "%.1f", timeout);
                 PyErr_Format(comm->state->P2PTimeoutError,
-                             "%s %s rank %d did not complete within %.1f s; the communicator is aborted so that "
-                             "its peers fail too.\n%U",
-                             mp_label_name(op->label), op->kind == MP_SEND ? "to" : "from", op->peer_global,
-                             timeout, report);
+                             "rank %d: %s %s rank %d did not complete within %s s; the communicator is aborted so "
+                             "that its peers fail too.\n%U",
+                             comm->global_ranks[comm->group_rank], mp_label_name(op->label),
+                             op->kind == MP_SEND ? "to" : "from", op->peer_global, seconds, report);
                 Py_DECREF(report);
             }
             return -1;

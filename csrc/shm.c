@@ -87,8 +87,10 @@ static void ring_peer(shm_t *s, const mp_op *op)
 
 /* ---- completion ---------------------------------------------------------------------- */
 
+/* The last touch of `op`: once it is DONE its Request may be freed at any moment. */
 static void finish(shm_t *s, mp_step *step, mp_op *op, mp_result r)
 {
+    step->ops[op->index] = NULL;
     op->result = r;
     atomic_store_explicit(&op->state, MP_OP_DONE, memory_order_release);
     step->remaining--;
@@ -101,7 +103,7 @@ static void fail_step(shm_t *s, mp_step *step, mp_result r, const char *why)
 {
     for (int i = 0; i < step->nops; i++) {
         mp_op *op = step->ops[i];
-        if (atomic_load_explicit(&op->state, memory_order_relaxed) == MP_OP_DONE)
+        if (!op)
             continue;
         snprintf(op->detail, sizeof op->detail, "%s", why);
         finish(s, step, op, r);
@@ -212,9 +214,10 @@ static int progress_send(shm_t *s, mp_step *step, mp_op *op)
     chan_local *cl = &s->out[op->lane * s->base.size + op->peer];
     int moved = 0;
     if (op->phase == PH_NEW) {
+        int index = op->index;
         moved = publish_send(s, step, op, c, ch, cl);
-        if (atomic_load_explicit(&op->state, memory_order_relaxed) == MP_OP_DONE)
-            return moved;
+        if (!step->ops[index])
+            return moved; /* finished as an eager send */
     }
     if (op->phase == PH_STREAM)
         moved |= stream_send(s, op, c, ch, cl);
@@ -223,12 +226,9 @@ static int progress_send(shm_t *s, mp_step *step, mp_op *op)
         mp_result r = sl->result == MP_OK ? MP_OK : (mp_result)sl->result;
         if (r == MP_ERR_MISMATCH)
             snprintf(op->detail, sizeof op->detail,
-                     "%s to rank %d (lane %d, message #%llu) met %s: this rank sent %llu bytes of %s, rank %d "
-                     "expects %llu bytes of %s",
-                     mp_label_name(op->label), op->peer_global, op->lane, (unsigned long long)op->seq,
-                     mp_label_name((mp_label)(sl->recv_label % MP_NUM_LABELS)), (unsigned long long)op->nbytes,
-                     mp_dtype_name(op->dtype), op->peer_global, (unsigned long long)sl->recv_nbytes,
-                     mp_dtype_name(sl->recv_dtype));
+                     "rank %d's %s expects %llu bytes of %s; this rank sent %llu bytes of %s", op->peer_global,
+                     mp_label_name((mp_label)(sl->recv_label % MP_NUM_LABELS)), (unsigned long long)sl->recv_nbytes,
+                     mp_dtype_name(sl->recv_dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
         else if (r != MP_OK)
             snprintf(op->detail, sizeof op->detail, "%s to rank %d failed at the receiver: %s",
                      mp_label_name(op->label), op->peer_global, mp_result_str(r));
@@ -269,11 +269,8 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
         sl->recv_nbytes = op->nbytes;
         sl->recv_dtype = op->dtype;
         sl->recv_label = (uint32_t)op->label;
-        snprintf(op->detail, sizeof op->detail,
-                 "%s from rank %d (lane %d, message #%llu) met %s: rank %d sent %llu bytes of %s, this rank "
-                 "expects %llu bytes of %s",
-                 mp_label_name(op->label), op->peer_global, op->lane, (unsigned long long)op->seq,
-                 mp_label_name((mp_label)(sl->label % MP_NUM_LABELS)), op->peer_global, (unsigned long long)nbytes,
+        snprintf(op->detail, sizeof op->detail, "rank %d's %s sent %llu bytes of %s; this rank expects %llu bytes of %s",
+                 op->peer_global, mp_label_name((mp_label)(sl->label % MP_NUM_LABELS)), (unsigned long long)nbytes,
                  mp_dtype_name(dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
         if (path == SHM_PATH_BOUNCE) {
             op->phase = PH_SKIP; /* drain the sender's chunks so the channel stays in step */
@@ -384,7 +381,7 @@ static int progress_lane(shm_t *s, step_queue *q)
         }
         for (int i = 0; i < step->nops; i++) {
             mp_op *op = step->ops[i];
-            if (atomic_load_explicit(&op->state, memory_order_relaxed) == MP_OP_DONE)
+            if (!op)
                 continue;
             moved |= op->kind == MP_SEND ? progress_send(s, step, op) : progress_recv(s, step, op);
         }
@@ -537,6 +534,8 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
         return MP_ERR_ABORTED;
     step->remaining = step->nops;
     step->activated = 0;
+    for (int i = 0; i < step->nops; i++)
+        step->ops[i]->index = i;
     pthread_mutex_lock(&s->lock);
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);
