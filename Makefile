@@ -4,8 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 DEPS := $(VENV)/.deps-installed
-EXT_SUFFIX = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-EXT := megatron_p2p/_C$(EXT_SUFFIX)
+EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*.c csrc/*.h) setup.py
 TEST_JOBS ?=
 
@@ -25,7 +24,8 @@ $(DEPS): pyproject.toml
 # library are not disturbed.
 $(EXT): $(DEPS) $(SOURCES)
 	$(PY) setup.py --quiet build_ext --build-temp build/temp --build-lib build/lib
-	install -m 755 build/lib/$(EXT) $(EXT)
+	for so in build/lib/megatron_p2p/_C*.so; do install -m 755 "$$so" megatron_p2p/; done
+	touch $@
 
 build: $(EXT)
 
@@ -41,10 +41,12 @@ ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
 sanitize: $(DEPS)
 	MEGATRON_P2P_SANITIZE=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
 	cp megatron_p2p/*.py build/asan/megatron_p2p/
-	PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD=$(ASAN_LIB) \
+	# From build/asan, so that `python -m` (which puts the working directory first on the path)
+	# imports the instrumented copy; tests/test_build.py checks that it did.
+	cd build/asan && PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD=$(ASAN_LIB) \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	MEGATRON_P2P_EXPECT_SANITIZED=1 $(PY) -m pytest -q -x
+	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider $(CURDIR)/tests
 
 clean:
-	rm -rf build $(EXT) megatron_p2p/*.so
+	rm -rf build megatron_p2p/*.so

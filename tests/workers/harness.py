@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 # Workers import the package from the source tree when it is not installed.
-sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 
 def run(body: Callable[[dict[str, Any]], Any]) -> None:
