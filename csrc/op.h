@@ -44,7 +44,8 @@ typedef struct mp_op {
     char detail[MP_DETAIL_LEN];
     /* Transport-private progress. */
     uint64_t progress;
-    uint64_t skip_total;
+    uint64_t skip_total;  /* receive: bytes of a mismatched bounce message to drain */
+    uint64_t stream_index;/* send: its place among the bounce-buffer sends of its channel */
     int phase;
     int index;            /* position in its step's ops */
 } mp_op;

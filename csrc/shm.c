@@ -32,7 +32,8 @@ enum { PH_NEW = 0, PH_STREAM, PH_WAIT_DONE, PH_COPY, PH_SKIP };
  * (lane, peer -> me). */
 typedef struct {
     uint64_t published;  /* sends whose descriptor is out */
-    uint64_t streamed;   /* sends fully written to the bounce buffer */
+    uint64_t bounced;    /* sends published for the bounce buffer */
+    uint64_t streamed;   /* of those, the ones fully written to it */
     uint64_t chunks_out; /* bounce chunks produced */
     uint64_t recv_next;  /* the next receive to serve: receives finish in order */
     uint64_t chunks_in;  /* bounce chunks consumed */
@@ -178,14 +179,19 @@ static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan
         finish(s, step, op, MP_OK); /* buffered: completes without the receive */
         return 1;
     }
-    op->phase = sl->path == SHM_PATH_BOUNCE ? PH_STREAM : PH_WAIT_DONE;
+    if (sl->path == SHM_PATH_BOUNCE) {
+        op->stream_index = cl->bounced++;
+        op->phase = PH_STREAM;
+    } else {
+        op->phase = PH_WAIT_DONE;
+    }
     return 1;
 }
 
 static int stream_send(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
 {
-    if (cl->streamed != op->seq)
-        return 0;
+    if (cl->streamed != op->stream_index)
+        return 0; /* the bounce buffer carries one message at a time, in order */
     uint64_t chunk = s->v.lay.chunk_bytes;
     int moved = 0;
     while (op->progress < op->nbytes &&

@@ -86,19 +86,19 @@ static mp_result attach_segment(const char *name, uint64_t total, double deadlin
         int fd = shm_open(name, O_RDWR, 0);
         if (fd >= 0) {
             struct stat st;
-            if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == total) {
+            int ok = fstat(fd, &st) == 0;
+            if (ok && (uint64_t)st.st_size == total) {
                 *fd_out = fd;
                 return MP_OK;
             }
-            if (fstat(fd, &st) == 0 && st.st_size != 0) {
-                close(fd);
+            close(fd);
+            if (ok && st.st_size != 0) { /* 0: rank 0 has not sized it yet */
                 snprintf(err, errlen,
                          "shared-memory segment %s has %lld bytes where this rank expects %llu: the ranks "
                          "disagree on the group size, lanes or eager_threshold",
                          name, (long long)st.st_size, (unsigned long long)total);
                 return MP_ERR_CORRUPT;
             }
-            close(fd);
         } else if (errno != ENOENT) {
             return fail(err, errlen, "cannot open shared-memory segment", name, errno);
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import weakref
 from typing import Optional
@@ -45,8 +46,14 @@ def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, in
             "init_communicator needs torch.distributed initialised or torchrun's environment; "
             f"missing {', '.join(missing)}"
         )
-    store, me, world = next(dist.rendezvous("env://"))
+    store, me, world = _env_rendezvous()
     return store, me, list(range(world))
+
+
+@functools.lru_cache(maxsize=1)
+def _env_rendezvous() -> tuple[dist.Store, int, int]:
+    """torchrun's store, reached once per process (each rendezvous costs a round of connects)."""
+    return next(dist.rendezvous("env://"))
 
 
 def init_communicator(
