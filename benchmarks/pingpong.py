@@ -47,22 +47,18 @@ def main() -> None:
         send = torch.zeros(nbytes, dtype=torch.uint8)
         recv = torch.empty(nbytes, dtype=torch.uint8)
 
-        def ours() -> None:
-            if rank == 0:
-                comm.isend(send, peer).wait()
-                comm.irecv(recv, peer).wait()
-            else:
-                comm.irecv(recv, peer).wait()
-                comm.isend(send, peer).wait()
+        def round_trip(isend: Callable, irecv: Callable) -> Callable[[], None]:
+            first, second = (isend, irecv) if rank == 0 else (irecv, isend)
+            buffers = {isend: send, irecv: recv}
 
-        def gloo() -> None:
-            if rank == 0:
-                dist.isend(send, peer).wait()
-                dist.irecv(recv, peer).wait()
-            else:
-                dist.irecv(recv, peer).wait()
-                dist.isend(send, peer).wait()
+            def run() -> None:
+                first(buffers[first], peer).wait()
+                second(buffers[second], peer).wait()
 
+            return run
+
+        ours = round_trip(comm.isend, comm.irecv)
+        gloo = round_trip(dist.isend, dist.irecv)
         mine, gl = one_way_us(ours), one_way_us(gloo)
         results.append({"bytes": nbytes, "megatron_p2p_us": mine, "gloo_us": gl, "speedup": gl[0] / mine[0]})
         if rank == 0:

@@ -174,7 +174,7 @@ void mp_comm_prune(CommObject *self)
     Py_ssize_t keep = 0, n = PyList_GET_SIZE(list);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(list, i);
-        if (atomic_load_explicit(&((RequestObject *)item)->op.state, memory_order_acquire) == MP_OP_DONE)
+        if (mp_op_done(&((RequestObject *)item)->op))
             continue;
         /* Swap the live item forward; the slice deletion below releases the finished ones. */
         PyList_SET_ITEM(list, i, PyList_GET_ITEM(list, keep));

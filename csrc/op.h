@@ -63,4 +63,10 @@ typedef struct mp_step {
 
 const char *mp_label_name(mp_label l);
 
+/* Once true, the op's result and detail are final and the transport no longer touches it. */
+static inline int mp_op_done(const mp_op *op)
+{
+    return atomic_load_explicit(&((mp_op *)op)->state, memory_order_acquire) == MP_OP_DONE;
+}
+
 #endif

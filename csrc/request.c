@@ -33,11 +33,6 @@ static void request_dealloc(RequestObject *self)
     Py_DECREF(tp);
 }
 
-static int op_done(const mp_op *op)
-{
-    return atomic_load_explicit(&((mp_op *)op)->state, memory_order_acquire) == MP_OP_DONE;
-}
-
 static PyObject *failure_type(mp_state *st, mp_result r)
 {
     switch (r) {
@@ -76,7 +71,7 @@ int mp_request_complete(RequestObject *req, double timeout)
 {
     CommObject *comm = req->comm;
     mp_op *op = &req->op;
-    if (!op_done(op)) {
+    if (!mp_op_done(op)) {
         if (timeout < 0)
             timeout = comm->timeout;
         mp_transport *t = comm->transport; /* non-NULL: closing finishes every op */
@@ -131,7 +126,7 @@ static PyObject *request_wait(RequestObject *self, PyObject *args, PyObject *kwa
 
 static PyObject *request_is_completed(RequestObject *self, PyObject *Py_UNUSED(ignored))
 {
-    return PyBool_FromLong(op_done(&self->op));
+    return PyBool_FromLong(mp_op_done(&self->op));
 }
 
 static PyObject *request_repr(RequestObject *self)
@@ -140,7 +135,7 @@ static PyObject *request_repr(RequestObject *self)
     return PyUnicode_FromFormat("<megatron_p2p.Request %s %s rank %d, %llu bytes, lane %d, message #%llu, %s>",
                                 mp_label_name(op->label), op->kind == MP_SEND ? "to" : "from", op->peer_global,
                                 (unsigned long long)op->nbytes, op->lane, (unsigned long long)op->seq,
-                                op_done(op) ? (op->result == MP_OK ? "done" : "failed") : "pending");
+                                mp_op_done(op) ? (op->result == MP_OK ? "done" : "failed") : "pending");
 }
 
 static PyObject *get_label(RequestObject *self, void *Py_UNUSED(c)) { return PyUnicode_FromString(mp_label_name(self->op.label)); }

@@ -63,7 +63,6 @@ typedef struct {
 
     _Atomic uint32_t completions; /* futex word for waiters in this process */
     _Atomic uint32_t waiters;
-    _Atomic uint32_t drivers;     /* threads progressing from shm_wait */
     int failed; /* abort seen, everything failed */
 } shm_t;
 
@@ -229,7 +228,7 @@ static int progress_send(shm_t *s, mp_step *step, mp_op *op)
         moved |= stream_send(s, op, c, ch, cl);
     if (op->phase == PH_WAIT_DONE && atomic_load_explicit(&ch->done, memory_order_acquire) > op->seq) {
         shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
-        mp_result r = sl->result == MP_OK ? MP_OK : (mp_result)sl->result;
+        mp_result r = (mp_result)sl->result;
         if (r == MP_ERR_MISMATCH)
             snprintf(op->detail, sizeof op->detail,
                      "rank %d's %s expects %llu bytes of %s; this rank sent %llu bytes of %s", op->peer_global,
@@ -519,7 +518,7 @@ static void *progress_main(void *arg)
         }
         /* A thread waiting in shm_wait drives progress itself; spinning here too would only
          * take its core. */
-        if (now - idle_since < SPIN_SECONDS && !atomic_load(&s->drivers)) {
+        if (now - idle_since < SPIN_SECONDS && !atomic_load(&me->driving)) {
             mp_cpu_relax();
             continue;
         }
@@ -557,21 +556,15 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     return MP_OK;
 }
 
-static int op_done(const mp_op *op)
-{
-    return atomic_load_explicit(&((mp_op *)op)->state, memory_order_acquire) == MP_OP_DONE;
-}
-
 /* Progresses from the caller's thread while things move, for at most SPIN_SECONDS of calm. */
 static void drive(shm_t *s, const mp_op *op, double deadline)
 {
     shm_rank *me = my_slot(s);
-    atomic_fetch_add(&s->drivers, 1);
     atomic_fetch_add(&me->driving, 1);
     uint32_t seen = atomic_load(&me->bell);
     double calm_until = mp_now() + SPIN_SECONDS;
     for (;;) {
-        if (op_done(op))
+        if (mp_op_done(op))
             break;
         double now = mp_now();
         if (now >= deadline || now >= calm_until)
@@ -586,7 +579,6 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         }
     }
     atomic_fetch_sub(&me->driving, 1);
-    atomic_fetch_sub(&s->drivers, 1);
     /* Rings that came after the last pass skipped the wake: hand them to the progress thread. */
     if (atomic_load(&me->bell) != seen && atomic_load(&me->sleeping))
         mp_futex_wake(&me->bell, 1);
@@ -597,14 +589,14 @@ static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)
     shm_t *s = as_shm(t);
     drive(s, op, deadline);
     for (;;) {
-        if (op_done(op))
+        if (mp_op_done(op))
             return MP_OK;
         double now = mp_now();
         if (now >= deadline)
             return MP_ERR_TIMEOUT;
         /* The progress thread takes over; it bumps `completions` when an op finishes. */
         uint32_t c = atomic_load(&s->completions);
-        if (op_done(op))
+        if (mp_op_done(op))
             return MP_OK;
         atomic_fetch_add(&s->waiters, 1);
         mp_futex_wait(&s->completions, c, deadline - now < 0.1 ? deadline - now : 0.1, 0);
@@ -657,7 +649,7 @@ static void shm_destroy(mp_transport *t)
             fail_queue(s, &s->lanes[l], MP_ERR_CLOSED, why);
         pthread_mutex_unlock(&s->engine);
         /* Threads still in shm_wait see their op finished and leave; then `s` can go. */
-        while (atomic_load(&s->drivers) || atomic_load(&s->waiters))
+        while (atomic_load(&my_slot(s)->driving) || atomic_load(&s->waiters))
             usleep(100);
         atomic_store(&my_slot(s)->state, SHM_RANK_CLOSED);
         shm_segment_unmap(&s->v);
