@@ -207,6 +207,13 @@ def _alive(pid):
         return False
 
 
+def _barrier(torch, comm):
+    token = torch.zeros(1)
+    reqs = comm.exchange(send_prev=token, recv_next=torch.empty(1), mode="parity")  # lane 1: lane 0 counts stay
+    for r in reqs.values():
+        r.wait()
+
+
 def body(params):
     import torch
 
@@ -221,6 +228,7 @@ def body(params):
             # made by this job's ranks: other jobs may run at the same time).
             results.setdefault("segments_after_init", []).extend(
                 os.path.basename(p) for p in glob.glob("/dev/shm/mp2p-*"))
+            _barrier(torch, comm)  # no rank reaches the next section's init before all have looked
             fn = globals()[name]
             results[name] = fn(torch, mp, comm, secs) if name == "timeout" else fn(torch, mp, comm)
             comm.close()
