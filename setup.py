@@ -21,7 +21,7 @@ setup(
             depends=sorted(glob.glob("csrc/*.h")),
             extra_compile_args=extra_compile,
             extra_link_args=extra_link,
-            libraries=["pthread"],
+            libraries=["pthread", "dl"],
         )
     ]
 )

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "op.h"
+#include "trace.h"
 #include "transport.h"
 
 typedef struct {
@@ -18,7 +19,7 @@ typedef struct {
     PyObject *BackendUnavailableError;
     PyObject *tensor_type;   /* torch.Tensor */
     PyObject *dtype_codes;   /* {torch.dtype: mp_dtype code} */
-    PyObject *str_dtype, *str_is_cpu, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
+    PyObject *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;
 } mp_state;
@@ -37,6 +38,10 @@ typedef struct {
     uint64_t *lane_steps;    /* [lane] */
     PyObject *inflight;      /* list of Requests the transport may still touch */
     PyObject *backend;       /* str */
+    int device;              /* CUDA ordinal of the tensors it carries; -1: CPU memory */
+    PyObject *stream_fn;     /* device transports: () -> the caller's current stream, as an int */
+    PyObject *on_abort;      /* called with a message when this rank aborts the communicator */
+    mp_trace *trace;
     uint64_t sends, recvs, bytes_sent, bytes_received;
     double wait_seconds;
     mp_state *state;
@@ -58,9 +63,9 @@ typedef struct {
 
 mp_state *mp_state_from_type(PyTypeObject *tp);
 
-/* Reads pointer, bytes and dtype of a contiguous CPU tensor; on a misuse sets TypeError or
- * ValueError naming `what` and returns -1. */
-int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, mp_buffer *out);
+/* Reads pointer, bytes and dtype of a contiguous tensor on `device` (-1: CPU); on a misuse
+ * sets TypeError or ValueError naming `what` and returns -1. */
+int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp_buffer *out);
 
 extern PyType_Spec mp_communicator_spec;
 extern PyType_Spec mp_request_spec;
@@ -73,5 +78,9 @@ void mp_raise_op_failure(CommObject *comm, const mp_op *op);
 /* The pending-op report used by timeouts and aborts. */
 PyObject *mp_comm_pending_report(CommObject *comm);
 void mp_comm_prune(CommObject *comm);
+/* The caller's current stream on the communicator's device (NULL on the CPU transport). */
+int mp_comm_stream(CommObject *comm, void **stream);
+/* Aborts after a local timeout and tells the other ranks (on_abort). */
+void mp_comm_abort_for_timeout(CommObject *comm, PyObject *message);
 
 #endif

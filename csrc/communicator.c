@@ -7,6 +7,7 @@
 #include <structmember.h> /* after Python.h */
 #include "clock.h"
 #include "dtype.h"
+#include "nccl.h"
 #include "plan.h"
 #include "shm.h"
 
@@ -53,35 +54,101 @@ static int parse_ranks(CommObject *self, PyObject *ranks)
     return 0;
 }
 
+/* The NCCL transport's parts of construction: the libraries, then the collective creation. */
+static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_priority, mp_transport **t, char *err,
+                           size_t errlen, int *unavailable)
+{
+    char *ids;
+    Py_ssize_t len;
+    if (!PyBytes_Check(unique_id) || PyBytes_AsStringAndSize(unique_id, &ids, &len) < 0 ||
+        len != (Py_ssize_t)(sizeof(mp_ncclUniqueId) * (size_t)self->nlanes)) {
+        snprintf(err, errlen, "unique_id must be %zu bytes (one NCCL unique id per lane) from nccl_unique_id()",
+                 sizeof(mp_ncclUniqueId) * (size_t)self->nlanes);
+        PyErr_Clear();
+        return MP_ERR_CORRUPT;
+    }
+    *unavailable = 1;
+    const mp_nccl_lib *nccl = mp_nccl_load(getenv(MP_NCCL_LIBRARY_ENV), NULL, 0, err, errlen);
+    const mp_cuda_lib *cuda = nccl ? mp_cuda_load(err, errlen) : NULL;
+    if (!cuda)
+        return MP_ERR_SYSTEM;
+    *unavailable = 0;
+    mp_nccl_config cfg = {
+        .rank = self->group_rank,
+        .size = self->size,
+        .nlanes = self->nlanes,
+        .device = self->device,
+        .ids = (const mp_ncclUniqueId *)ids,
+        .timeout = self->timeout,
+        .high_priority = high_priority,
+    };
+    mp_result r;
+    Py_BEGIN_ALLOW_THREADS
+    r = mp_nccl_open(&cfg, nccl, cuda, t, err, errlen);
+    Py_END_ALLOW_THREADS
+    return r;
+}
+
+static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy, mp_transport **t, char *err,
+                          size_t errlen)
+{
+    const char *name = PyUnicode_Check(unique_id) ? PyUnicode_AsUTF8(unique_id) : NULL;
+    if (!name || strlen(name) >= MP_SHM_NAME_LEN || name[0] != '/' || strchr(name + 1, '/')) {
+        PyErr_Clear();
+        snprintf(err, errlen, "unique_id must be a segment name from new_unique_id()");
+        return MP_ERR_CORRUPT;
+    }
+    mp_shm_config cfg = {
+        .name = name,
+        .rank = self->group_rank,
+        .size = self->size,
+        .nlanes = self->nlanes,
+        .create = self->group_rank == 0,
+        .eager_threshold = self->eager_threshold,
+        .timeout = self->timeout,
+        .allow_cma = single_copy,
+    };
+    mp_result r;
+    Py_BEGIN_ALLOW_THREADS
+    r = mp_shm_open(&cfg, t, err, errlen);
+    Py_END_ALLOW_THREADS
+    return r;
+}
+
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"backend", "unique_id", "group_rank", "ranks", "lanes", "eager_threshold", "timeout",
-                             "single_copy", NULL};
-    const char *backend, *unique_id;
-    int group_rank, lanes = 2, single_copy = 1;
-    PyObject *ranks;
+                             "single_copy", "device", "stream", "high_priority", "on_abort", NULL};
+    const char *backend;
+    int group_rank, lanes = 2, single_copy = 1, device = -1, high_priority = 0;
+    PyObject *unique_id, *ranks, *stream_fn = Py_None, *on_abort = Py_None;
     unsigned long long eager = 0;
     double timeout = 300.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ssiO|$iKdp:Communicator", kwlist, &backend, &unique_id,
-                                     &group_rank, &ranks, &lanes, &eager, &timeout, &single_copy))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpO:Communicator", kwlist, &backend, &unique_id,
+                                     &group_rank, &ranks, &lanes, &eager, &timeout, &single_copy, &device,
+                                     &stream_fn, &high_priority, &on_abort))
         return NULL;
     mp_state *st = mp_state_from_type(type);
-    if (strcmp(backend, "shm") != 0) {
-        PyErr_Format(st->BackendUnavailableError, "backend %R is not available in this build; use 'shm'",
-                     PyTuple_GET_ITEM(args, 0));
-        return NULL;
-    }
+    int is_nccl = strcmp(backend, "nccl") == 0;
+    if (!is_nccl && strcmp(backend, "shm") != 0)
+        return PyErr_Format(PyExc_ValueError, "backend must be 'shm' or 'nccl', got %R", PyTuple_GET_ITEM(args, 0));
     if (lanes != 1 && lanes != 2)
         return PyErr_Format(PyExc_ValueError, "lanes must be 1 (one ordered queue) or 2 (one per direction), got %d",
                             lanes);
     if (eager > MP_SHM_MAX_EAGER)
         return PyErr_Format(PyExc_ValueError, "eager_threshold must be at most %u bytes, got %llu", MP_SHM_MAX_EAGER,
                             eager);
+    if (is_nccl && eager)
+        return PyErr_Format(PyExc_ValueError, "eager_threshold is a property of the shm backend; NCCL decides "
+                            "its own buffering");
     if (!(timeout > 0))
         return PyErr_Format(PyExc_ValueError, "timeout must be a positive number of seconds, got %g", timeout);
-    if (strlen(unique_id) >= MP_SHM_NAME_LEN || unique_id[0] != '/' || strchr(unique_id + 1, '/'))
-        return PyErr_Format(PyExc_ValueError, "unique_id %R is not a segment name from new_unique_id()",
-                            PyTuple_GET_ITEM(args, 1));
+    if (is_nccl ? (device < 0 || !PyCallable_Check(stream_fn)) : device != -1)
+        return PyErr_Format(PyExc_ValueError, is_nccl ? "backend 'nccl' needs a CUDA device ordinal and a "
+                                                        "stream callable"
+                                                      : "backend 'shm' carries CPU tensors only (device=-1)");
+    if (on_abort != Py_None && !PyCallable_Check(on_abort))
+        return PyErr_Format(PyExc_TypeError, "on_abort must be callable or None");
 
     CommObject *self = (CommObject *)type->tp_alloc(type, 0);
     if (!self)
@@ -91,6 +158,9 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->timeout = timeout;
     self->eager_threshold = eager;
     self->group_rank = group_rank;
+    self->device = device;
+    self->stream_fn = is_nccl ? Py_NewRef(stream_fn) : NULL;
+    self->on_abort = on_abort != Py_None ? Py_NewRef(on_abort) : NULL;
     if (parse_ranks(self, ranks) < 0)
         goto fail;
     if (group_rank < 0 || group_rank >= self->size) {
@@ -101,34 +171,27 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->send_seq = PyMem_Calloc(nchan, sizeof(uint64_t));
     self->recv_seq = PyMem_Calloc(nchan, sizeof(uint64_t));
     self->lane_steps = PyMem_Calloc((size_t)lanes, sizeof(uint64_t));
+    self->trace = PyMem_Calloc(1, sizeof(mp_trace));
     self->inflight = PyList_New(0);
     self->backend = PyUnicode_FromString(backend);
-    if (!self->send_seq || !self->recv_seq || !self->lane_steps) {
+    if (!self->send_seq || !self->recv_seq || !self->lane_steps || !self->trace) {
         PyErr_NoMemory();
         goto fail;
     }
     if (!self->inflight || !self->backend)
         goto fail;
 
-    mp_shm_config cfg = {
-        .name = unique_id,
-        .rank = group_rank,
-        .size = self->size,
-        .nlanes = lanes,
-        .create = group_rank == 0,
-        .eager_threshold = eager,
-        .timeout = timeout,
-        .allow_cma = single_copy,
-    };
-    char err[512] = "";
-    mp_result r;
+    char err[2048] = "";
+    int unavailable = 0;
     mp_transport *t = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    r = mp_shm_open(&cfg, &t, err, sizeof err);
-    Py_END_ALLOW_THREADS
+    mp_result r = is_nccl ? open_nccl(self, unique_id, high_priority, &t, err, sizeof err, &unavailable)
+                          : open_shm(self, unique_id, single_copy, &t, err, sizeof err);
     if (r != MP_OK) {
-        PyErr_Format(r == MP_ERR_TIMEOUT ? st->P2PTimeoutError : st->P2PError, "shm communicator (rank %d of %d): %s",
-                     group_rank, self->size, err);
+        PyObject *exc = unavailable ? st->BackendUnavailableError
+                      : r == MP_ERR_CORRUPT ? PyExc_ValueError
+                      : r == MP_ERR_TIMEOUT ? st->P2PTimeoutError
+                                            : st->P2PError;
+        PyErr_Format(exc, "%s communicator (rank %d of %d): %s", backend, group_rank, self->size, err);
         goto fail;
     }
     self->transport = t;
@@ -160,6 +223,9 @@ static void comm_dealloc(CommObject *self)
     comm_shutdown(self);
     Py_XDECREF(self->inflight);
     Py_XDECREF(self->backend);
+    Py_XDECREF(self->stream_fn);
+    Py_XDECREF(self->on_abort);
+    PyMem_Free(self->trace);
     PyMem_Free(self->global_ranks);
     PyMem_Free(self->send_seq);
     PyMem_Free(self->recv_seq);
@@ -170,6 +236,9 @@ static void comm_dealloc(CommObject *self)
 
 void mp_comm_prune(CommObject *self)
 {
+    mp_transport *t = self->transport;
+    if (t && t->ops->progress)
+        t->ops->progress(t);
     PyObject *list = self->inflight;
     Py_ssize_t keep = 0, n = PyList_GET_SIZE(list);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -301,6 +370,61 @@ static int check_self_pairs(CommObject *self, const pending_op *ops, int nops)
     return 0;
 }
 
+int mp_comm_stream(CommObject *self, void **stream)
+{
+    *stream = NULL;
+    if (!self->stream_fn)
+        return 0;
+    PyObject *s = PyObject_CallNoArgs(self->stream_fn);
+    if (!s)
+        return -1;
+    uintptr_t v = (uintptr_t)PyLong_AsUnsignedLongLong(s);
+    Py_DECREF(s);
+    if (PyErr_Occurred())
+        return -1;
+    *stream = (void *)v;
+    return 0;
+}
+
+/* Device transports order what one call posts after the caller's stream, and fence it after. */
+static int begin_posting(CommObject *self)
+{
+    mp_transport *t = self->transport;
+    if (!t->ops->begin)
+        return 0;
+    void *stream;
+    if (mp_comm_stream(self, &stream) < 0)
+        return -1;
+    if (t->ops->begin(t, stream) != MP_OK) {
+        if (check_usable(self) == 0)
+            PyErr_SetString(self->state->P2PError, "could not order the ops after the current stream");
+        return -1;
+    }
+    return 0;
+}
+
+/* A failure here has failed the posted ops already; their Requests report it. */
+static void end_posting(CommObject *self)
+{
+    mp_transport *t = self->transport;
+    if (t && t->ops->end)
+        t->ops->end(t);
+}
+
+void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
+{
+    self->transport->ops->abort(self->transport, MP_ERR_TIMEOUT, self->group_rank);
+    if (!self->on_abort)
+        return;
+    PyObject *type, *value, *tb; /* the caller may be raising already */
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallOneArg(self->on_abort, message ? message : Py_None);
+    if (!r)
+        PyErr_WriteUnraisable(self->on_abort); /* telling the peers is best effort */
+    Py_XDECREF(r);
+    PyErr_Restore(type, value, tb);
+}
+
 /* Numbers the ops, posts them as one step on `lane`, and returns the Requests. */
 static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane)
 {
@@ -343,6 +467,7 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
     self->lane_steps[lane]++;
     step->lane = lane;
     step->nops = nops;
+    mp_trace_step(self->trace, step);
     mp_transport *t = self->transport;
     mp_result r;
     Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
@@ -408,7 +533,7 @@ static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwarg
         if (tensors[s] == Py_None)
             continue;
         pending_op *p = &slot_ops[s];
-        if (mp_read_tensor(self->state, tensors[s], mp_slot_name((mp_slot)s), &p->buf) < 0)
+        if (mp_read_tensor(self->state, tensors[s], mp_slot_name((mp_slot)s), self->device, &p->buf) < 0)
             return NULL;
         p->tensor = tensors[s];
         p->kind = mp_slot_is_send((mp_slot)s) ? MP_SEND : MP_RECV;
@@ -429,29 +554,27 @@ static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwarg
 
     mp_comm_prune(self);
     PyObject *result = PyDict_New();
-    if (!result)
+    if (!result || begin_posting(self) < 0) {
+        Py_XDECREF(result);
         return NULL;
-    for (int i = 0; i < plan.nsteps; i++) {
-        PyObject *reqs = post_step(self, steps[i], plan.steps[i].nops, plan.steps[i].lane);
-        if (!reqs) {
-            Py_DECREF(result);
-            return NULL;
-        }
-        for (int j = 0; j < plan.steps[i].nops; j++)
-            if (PyDict_SetItemString(result, mp_slot_name(plan.steps[i].ops[j]), PyList_GET_ITEM(reqs, j)) < 0) {
-                Py_DECREF(reqs);
-                Py_DECREF(result);
-                return NULL;
-            }
-        Py_DECREF(reqs);
     }
+    for (int i = 0; i < plan.nsteps && result; i++) {
+        PyObject *reqs = post_step(self, steps[i], plan.steps[i].nops, plan.steps[i].lane);
+        for (int j = 0; reqs && j < plan.steps[i].nops; j++)
+            if (PyDict_SetItemString(result, mp_slot_name(plan.steps[i].ops[j]), PyList_GET_ITEM(reqs, j)) < 0)
+                Py_CLEAR(reqs);
+        if (!reqs)
+            Py_CLEAR(result);
+        Py_XDECREF(reqs);
+    }
+    end_posting(self); /* also after a failure: what was posted must be fenced */
     return result;
 }
 
 static int read_p2p_op(CommObject *self, PyObject *tensor, PyObject *peer, mp_kind kind, const char *what,
                        pending_op *out)
 {
-    if (mp_read_tensor(self->state, tensor, what, &out->buf) < 0)
+    if (mp_read_tensor(self->state, tensor, what, self->device, &out->buf) < 0)
         return -1;
     if ((out->peer = group_rank_of(self, peer, "peer")) < 0)
         return -1;
@@ -474,7 +597,10 @@ static PyObject *single_op(CommObject *self, PyObject *args, PyObject *kwargs, m
     if (read_p2p_op(self, tensor, peer, kind, "tensor", &op) < 0 || check_self_pairs(self, &op, 1) < 0)
         return NULL;
     mp_comm_prune(self);
+    if (begin_posting(self) < 0)
+        return NULL;
     PyObject *reqs = post_step(self, &op, 1, 0);
+    end_posting(self);
     if (!reqs)
         return NULL;
     PyObject *req = Py_NewRef(PyList_GET_ITEM(reqs, 0));
@@ -523,7 +649,10 @@ static PyObject *comm_batch(CommObject *self, PyObject *arg)
     if (check_self_pairs(self, ops, (int)n) < 0)
         goto done;
     mp_comm_prune(self);
+    if (begin_posting(self) < 0)
+        goto done;
     reqs = post_step(self, ops, (int)n, 0);
+    end_posting(self);
 done:
     PyMem_Free(ops);
     Py_DECREF(seq);
@@ -568,7 +697,33 @@ static PyObject *comm_single_copy(CommObject *self, PyObject *peer)
     int r = group_rank_of(self, peer, "peer");
     if (r < 0)
         return NULL;
+    if (strcmp(self->transport->ops->name, "shm") != 0)
+        Py_RETURN_TRUE; /* NCCL moves data between devices with no host copy at all */
     return PyBool_FromLong(mp_shm_single_copy(self->transport, r));
+}
+
+static PyObject *comm_recent_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    mp_trace_entry *entries = PyMem_Malloc(sizeof(mp_trace_entry) * MP_TRACE_CAPACITY);
+    if (!entries)
+        return PyErr_NoMemory();
+    size_t n = mp_trace_recent(self->trace, entries, MP_TRACE_CAPACITY);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        const mp_trace_entry *e = &entries[i];
+        PyObject *d = Py_BuildValue("{s:s,s:s,s:i,s:K,s:s,s:i,s:K,s:K,s:i}", "kind", e->kind == MP_SEND ? "send" : "recv",
+                                    "label", mp_label_name((mp_label)e->label), "peer", e->peer_global, "nbytes",
+                                    (unsigned long long)e->nbytes, "dtype", mp_dtype_name(e->dtype), "lane", e->lane,
+                                    "step", (unsigned long long)e->step, "seq", (unsigned long long)e->seq,
+                                    "group_size", e->group_size);
+        if (!d) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, d);
+    }
+    PyMem_Free(entries);
+    return out;
 }
 
 static PyObject *get_rank(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->group_rank); }
@@ -581,6 +736,7 @@ static PyObject *get_timeout(CommObject *self, void *Py_UNUSED(c)) { return PyFl
 static PyObject *get_eager(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(self->eager_threshold); }
 static PyObject *get_backend(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->backend); }
 static PyObject *get_closed(CommObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->transport == NULL); }
+static PyObject *get_device(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->device); }
 
 static PyObject *get_ranks(CommObject *self, void *Py_UNUSED(c))
 {
@@ -600,7 +756,8 @@ static PyGetSetDef comm_getset[] = {
     {"lanes", (getter)get_lanes, NULL, "Independent ordered queues: 1, or 2 (forward, backward).", NULL},
     {"timeout", (getter)get_timeout, NULL, "Default deadline of a wait, in seconds.", NULL},
     {"eager_threshold", (getter)get_eager, NULL, "Sends up to this many bytes complete without a posted receive.", NULL},
-    {"backend", (getter)get_backend, NULL, "The transport: 'shm'.", NULL},
+    {"backend", (getter)get_backend, NULL, "The transport: 'shm' or 'nccl'.", NULL},
+    {"device", (getter)get_device, NULL, "CUDA ordinal of the tensors it carries; -1 for CPU memory.", NULL},
     {"closed", (getter)get_closed, NULL, "True after close().", NULL},
     {NULL},
 };
@@ -623,6 +780,9 @@ static PyMethodDef comm_methods[] = {
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
     {"stats", (PyCFunction)comm_stats, METH_NOARGS, "Messages and bytes posted, and seconds spent in wait()."},
+    {"recent_ops", (PyCFunction)comm_recent_ops, METH_NOARGS,
+     "recent_ops() -> list[dict]: the last ops this rank posted (up to 1024), oldest first: kind, label, peer, "
+     "nbytes, dtype, lane, step (per lane), seq (per pair and lane) and group_size."},
     {"single_copy", (PyCFunction)comm_single_copy, METH_O,
      "single_copy(peer) -> bool: whether large messages from `peer` arrive with one copy (CMA)."},
     {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},

@@ -5,6 +5,7 @@
 #include "shm.h"
 
 static struct PyModuleDef module_def;
+extern PyMethodDef mp_nccl_methods[];
 
 mp_state *mp_state_from_type(PyTypeObject *tp)
 {
@@ -146,11 +147,15 @@ static int module_exec(PyObject *mod)
         return -1;
     INTERN(str_dtype, "dtype")
     INTERN(str_is_cpu, "is_cpu")
+    INTERN(str_is_cuda, "is_cuda")
+    INTERN(str_get_device, "get_device")
     INTERN(str_is_contiguous, "is_contiguous")
     INTERN(str_nbytes, "nbytes")
     INTERN(str_data_ptr, "data_ptr")
     INTERN(str_device, "device")
 #undef INTERN
+    if (PyModule_AddFunctions(mod, mp_nccl_methods) < 0)
+        return -1;
     st->CommunicatorType = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &mp_communicator_spec, NULL);
     if (!st->CommunicatorType || PyModule_AddType(mod, st->CommunicatorType) < 0)
         return -1;
@@ -194,6 +199,8 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->dtype_codes);
     Py_CLEAR(st->str_dtype);
     Py_CLEAR(st->str_is_cpu);
+    Py_CLEAR(st->str_is_cuda);
+    Py_CLEAR(st->str_get_device);
     Py_CLEAR(st->str_is_contiguous);
     Py_CLEAR(st->str_nbytes);
     Py_CLEAR(st->str_data_ptr);

@@ -48,6 +48,7 @@ typedef struct mp_op {
     uint64_t stream_index;/* send: its place among the bounce-buffer sends of its channel */
     int phase;
     int index;            /* position in its step's ops */
+    void *fence;          /* device transports: what completes it */
 } mp_op;
 
 /* A group of ops issued together on one lane. Owned by the transport once posted; an op's

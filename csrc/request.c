@@ -83,16 +83,20 @@ int mp_request_complete(RequestObject *req, double timeout)
         comm->wait_seconds += mp_now() - start;
         if (r == MP_ERR_TIMEOUT) {
             PyObject *report = mp_comm_pending_report(comm);
-            t->ops->abort(t, MP_ERR_TIMEOUT, comm->group_rank);
+            PyObject *msg = NULL;
             if (report) {
-                char seconds[32]; /* PyErr_Format has no float conversion */
+                char seconds[32]; /* PyUnicode_FromFormat has no float conversion */
                 snprintf(seconds, sizeof seconds, "%.1f", timeout);
-                PyErr_Format(comm->state->P2PTimeoutError,
-                             "rank %d: %s %s rank %d did not complete within %s s; the communicator is aborted so "
-                             "that its peers fail too.\n%U",
-                             comm->global_ranks[comm->group_rank], mp_label_name(op->label),
-                             op->kind == MP_SEND ? "to" : "from", op->peer_global, seconds, report);
+                msg = PyUnicode_FromFormat("rank %d: %s %s rank %d did not complete within %s s; the communicator is "
+                                           "aborted so that its peers fail too.\n%U",
+                                           comm->global_ranks[comm->group_rank], mp_label_name(op->label),
+                                           op->kind == MP_SEND ? "to" : "from", op->peer_global, seconds, report);
                 Py_DECREF(report);
+            }
+            mp_comm_abort_for_timeout(comm, msg);
+            if (msg) {
+                PyErr_SetObject(comm->state->P2PTimeoutError, msg);
+                Py_DECREF(msg);
             }
             return -1;
         }
@@ -103,29 +107,71 @@ int mp_request_complete(RequestObject *req, double timeout)
     return op->result == MP_OK ? 0 : -1;
 }
 
-static PyObject *request_wait(RequestObject *self, PyObject *args, PyObject *kwargs)
+static int parse_timeout(PyObject *args, PyObject *kwargs, const char *format, double *timeout)
 {
     static char *kwlist[] = {"timeout", NULL};
     PyObject *timeout_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", kwlist, &timeout_obj))
-        return NULL;
-    double timeout = -1;
-    if (timeout_obj != Py_None) {
-        timeout = PyFloat_AsDouble(timeout_obj);
-        if (timeout == -1 && PyErr_Occurred())
-            return NULL;
-        if (!(timeout >= 0)) {
-            PyErr_Format(PyExc_ValueError, "timeout must be a non-negative number of seconds, got %R", timeout_obj);
-            return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, kwlist, &timeout_obj))
+        return -1;
+    *timeout = -1;
+    if (timeout_obj == Py_None)
+        return 0;
+    *timeout = PyFloat_AsDouble(timeout_obj);
+    if (*timeout == -1 && PyErr_Occurred())
+        return -1;
+    if (!(*timeout >= 0)) {
+        PyErr_Format(PyExc_ValueError, "timeout must be a non-negative number of seconds, got %R", timeout_obj);
+        return -1;
+    }
+    return 0;
+}
+
+/* On a device transport the caller's stream waits; the host goes on. */
+static int stream_wait(RequestObject *self)
+{
+    CommObject *comm = self->comm;
+    mp_transport *t = comm->transport;
+    if (!mp_op_done(&self->op)) {
+        void *stream;
+        if (mp_comm_stream(comm, &stream) < 0)
+            return -1;
+        if (t->ops->stream_wait(t, &self->op, stream) != MP_OK && !mp_op_done(&self->op)) {
+            PyErr_SetString(comm->state->P2PError, "could not make the current stream wait for the op");
+            return -1;
         }
     }
-    if (mp_request_complete(self, timeout) < 0)
+    if (mp_op_done(&self->op) && self->op.result != MP_OK) {
+        mp_raise_op_failure(comm, &self->op);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *request_wait(RequestObject *self, PyObject *args, PyObject *kwargs)
+{
+    double timeout;
+    if (parse_timeout(args, kwargs, "|O:wait", &timeout) < 0)
+        return NULL;
+    mp_transport *t = self->comm->transport;
+    int rc = t && t->ops->stream_wait ? stream_wait(self) : mp_request_complete(self, timeout);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *request_synchronize(RequestObject *self, PyObject *args, PyObject *kwargs)
+{
+    double timeout;
+    if (parse_timeout(args, kwargs, "|O:synchronize", &timeout) < 0 || mp_request_complete(self, timeout) < 0)
         return NULL;
     Py_RETURN_TRUE;
 }
 
 static PyObject *request_is_completed(RequestObject *self, PyObject *Py_UNUSED(ignored))
 {
+    mp_transport *t = self->comm->transport;
+    if (!mp_op_done(&self->op) && t && t->ops->progress)
+        t->ops->progress(t);
     return PyBool_FromLong(mp_op_done(&self->op));
 }
 
@@ -159,9 +205,13 @@ static PyGetSetDef request_getset[] = {
 
 static PyMethodDef request_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))request_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None) -> True\n\nBlocks until the op completes (CPU ops block the host). Raises "
+     "wait(timeout=None) -> True\n\nCPU ops: blocks the host until the op completes. CUDA ops: makes the "
+     "current stream wait for the op and returns at once, like torch's Work.wait(). Raises "
      "P2PTimeoutError past the timeout (default: the communicator's) and aborts the communicator, "
      "MismatchError, PeerFailureError or P2PError when the op failed."},
+    {"synchronize", (PyCFunction)(void (*)(void))request_synchronize, METH_VARARGS | METH_KEYWORDS,
+     "synchronize(timeout=None) -> True\n\nBlocks the host until the op has completed, on any backend, with "
+     "wait()'s deadline and errors."},
     {"is_completed", (PyCFunction)request_is_completed, METH_NOARGS, "True once the op has finished (or failed)."},
     {NULL},
 };

@@ -1,8 +1,18 @@
 #include "bindings.h"
 
-static int attr_true(PyObject *obj, PyObject *name, int call)
+static int attr_true(PyObject *obj, PyObject *name)
 {
-    PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static int call_true(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
     if (!v)
         return -1;
     int r = PyObject_IsTrue(v);
@@ -20,7 +30,7 @@ static int attr_u64(PyObject *obj, PyObject *name, int call, uint64_t *out)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, mp_buffer *out)
+int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp_buffer *out)
 {
     if (!PyObject_TypeCheck(obj, (PyTypeObject *)st->tensor_type)) {
         PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, not %.100s", what, Py_TYPE(obj)->tp_name);
@@ -39,19 +49,31 @@ int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, mp_buffer *out
     Py_DECREF(dtype);
     out->dtype = (int)PyLong_AsLong(code);
 
-    int cpu = attr_true(obj, st->str_is_cpu, 0);
-    if (cpu < 0)
+    int here = attr_true(obj, device < 0 ? st->str_is_cpu : st->str_is_cuda);
+    if (here < 0)
         return -1;
-    if (!cpu) {
+    if (here && device >= 0) {
+        PyObject *where = PyObject_CallMethodNoArgs(obj, st->str_get_device);
+        long on = where ? PyLong_AsLong(where) : -1;
+        Py_XDECREF(where);
+        if (on == -1 && PyErr_Occurred())
+            return -1;
+        here = on == device;
+    }
+    if (!here) {
         PyObject *dev = PyObject_GetAttr(obj, st->str_device);
         if (dev) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s is on device '%S'; the shm backend carries tensors in CPU memory only", what, dev);
+            if (device < 0)
+                PyErr_Format(PyExc_ValueError, "%s is on device '%S'; this communicator carries CPU tensors "
+                             "(backend 'shm'); use backend 'nccl' for CUDA tensors", what, dev);
+            else
+                PyErr_Format(PyExc_ValueError, "%s is on device '%S'; this communicator carries tensors on "
+                             "cuda:%d", what, dev, device);
             Py_DECREF(dev);
         }
         return -1;
     }
-    int contiguous = attr_true(obj, st->str_is_contiguous, 1);
+    int contiguous = call_true(obj, st->str_is_contiguous);
     if (contiguous < 0)
         return -1;
     if (!contiguous) {

@@ -26,6 +26,16 @@ typedef struct {
     void (*describe_peer)(mp_transport *t, const mp_op *op, char *buf, size_t len);
     /* Stops progress, fails what is pending with MP_ERR_CLOSED, frees everything. */
     void (*destroy)(mp_transport *t);
+
+    /* Optional, for transports that run on device streams (NULL on the CPU transport). */
+    /* Before the steps of one call: the work posted next starts after what `stream` holds. */
+    mp_result (*begin)(mp_transport *t, void *stream);
+    /* After them: fences the steps posted since begin(), so their ops can complete. */
+    mp_result (*end)(mp_transport *t);
+    /* Finishes the ops whose device work has completed (the CPU transport has a thread). */
+    void (*progress)(mp_transport *t);
+    /* Makes `stream` wait for `op` without blocking the host. */
+    mp_result (*stream_wait)(mp_transport *t, mp_op *op, void *stream);
 } mp_transport_ops;
 
 struct mp_transport {

@@ -9,11 +9,12 @@ import os
 import weakref
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, nccl
 
-BACKENDS = ("shm", "auto")
+BACKENDS = ("shm", "nccl", "auto")
 _STORE_PREFIX = "megatron_p2p"
 _live: "weakref.WeakSet[_C.Communicator]" = weakref.WeakSet()
 
@@ -63,16 +64,24 @@ def init_communicator(
     *,
     lanes: int = 2,
     eager_threshold: int = 0,
+    device: "torch.device | str | int | None" = None,
+    high_priority: bool = False,
 ) -> _C.Communicator:
     """Creates a communicator over `group` (None: every rank). Collective: every member calls it.
 
-    backend: "shm" (processes on one host, CPU tensors) or "auto" (shm for CPU tensors).
+    backend: "shm" (processes on one host, CPU tensors), "nccl" (CUDA tensors: NCCL grouped
+        send/recv on CUDA streams), or "auto" (nccl for a CUDA device, shm for the CPU).
     timeout: seconds any wait may block before raising P2PTimeoutError and aborting.
-    lanes: 2 runs forward ops (send_next / recv_prev) and backward ops on independent queues;
-        1 runs everything on one queue, as megatron-core does on one stream.
-    eager_threshold: sends up to this many bytes complete before their receive is posted
-        (NCCL may buffer small sends; the default 0 is strict rendezvous, which exposes
+    lanes: 2 runs forward ops (send_next / recv_prev) and backward ops on independent queues
+        (NCCL: two communicators, two streams); 1 runs everything on one queue, as megatron-core
+        does on one stream.
+    eager_threshold: shm only. Sends up to this many bytes complete before their receive is
+        posted (NCCL may buffer small sends; the default 0 is strict rendezvous, which exposes
         ordering bugs at every size).
+    device: the tensors' device; None picks the current CUDA device when there is one, else
+        the CPU. It decides "auto", and is the device an NCCL communicator serves.
+    high_priority: nccl only. Lane streams get the device's greatest stream priority, so that
+        communication kernels are scheduled ahead of compute.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -82,6 +91,16 @@ def init_communicator(
         raise ValueError(f"lanes must be 1 or 2, got {lanes!r}")
     if not isinstance(eager_threshold, int) or not 0 <= eager_threshold <= _C.MAX_EAGER_THRESHOLD:
         raise ValueError(f"eager_threshold must be an int in [0, {_C.MAX_EAGER_THRESHOLD}], got {eager_threshold!r}")
+    dev = nccl.requested_device(device, backend)
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "shm"
+    if backend == "nccl":
+        if eager_threshold:
+            raise ValueError("eager_threshold is an shm option; NCCL decides its own buffering")
+        dev = nccl.require_gpu(dev)
+        nccl.nccl_version()  # loads libnccl, or says why it cannot
+    elif dev.type != "cpu":
+        raise ValueError(f"backend 'shm' carries CPU tensors; device {dev} needs backend 'nccl' or 'auto'")
 
     store, me, ranks = _store_and_ranks(group)
     group_rank = ranks.index(me)
@@ -91,21 +110,27 @@ def init_communicator(
     generation = (store.add(f"{base}/count", 1) - 1) // len(ranks)
     key = f"{base}/{generation}/id"
     if group_rank == 0:
-        unique_id = _C.new_unique_id()
+        unique_id = _C.new_unique_id() if backend == "shm" else b"".join(_C.nccl_unique_id() for _ in range(lanes))
         store.set(key, unique_id)
     else:
         store.wait([key], datetime.timedelta(seconds=timeout))
-        unique_id = store.get(key).decode()
-    comm = _C.Communicator(
-        "shm",
-        unique_id,
-        group_rank,
-        ranks,
-        lanes=lanes,
-        eager_threshold=eager_threshold,
-        timeout=float(timeout),
-        single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True),
-    )
+        unique_id = store.get(key)
+        if backend == "shm":
+            unique_id = unique_id.decode()
+    common = dict(lanes=lanes, timeout=float(timeout))
+    if backend == "shm":
+        comm = _C.Communicator(
+            "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
+            single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), **common,
+        )
+    else:
+        relay = nccl.AbortRelay(store, f"{base}/{generation}/abort")
+        with torch.cuda.device(dev.index):
+            comm = _C.Communicator(
+                "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
+                high_priority=high_priority, on_abort=relay.publish, **common,
+            )
+        relay.watch(comm)
     _live.add(comm)
     return comm
 

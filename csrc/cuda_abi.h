@@ -1,0 +1,39 @@
+/* The few CUDA driver API types and calls this package uses, under its own names: the driver
+ * library (libcuda.so.1) is loaded at run time, so nothing from CUDA is needed to build. */
+#ifndef MP_CUDA_ABI_H
+#define MP_CUDA_ABI_H
+
+#include <stddef.h>
+
+typedef int mp_CUresult;
+typedef int mp_CUdevice;
+typedef struct mp_cu_ctx_opaque *mp_CUcontext;
+typedef struct mp_cu_stream_opaque *mp_CUstream;
+typedef struct mp_cu_event_opaque *mp_CUevent;
+typedef unsigned long long mp_CUdeviceptr;
+
+#define MP_CUDA_SUCCESS 0
+#define MP_CUDA_ERROR_NOT_READY 600
+#define MP_CU_EVENT_DISABLE_TIMING 0x2u
+#define MP_CU_STREAM_NON_BLOCKING 0x1u
+
+typedef mp_CUresult (*mp_cuInit_fn)(unsigned int flags);
+typedef mp_CUresult (*mp_cuDeviceGet_fn)(mp_CUdevice *dev, int ordinal);
+typedef mp_CUresult (*mp_cuDevicePrimaryCtxRetain_fn)(mp_CUcontext *ctx, mp_CUdevice dev);
+typedef mp_CUresult (*mp_cuDevicePrimaryCtxRelease_fn)(mp_CUdevice dev);
+typedef mp_CUresult (*mp_cuCtxGetCurrent_fn)(mp_CUcontext *ctx);
+typedef mp_CUresult (*mp_cuCtxSetCurrent_fn)(mp_CUcontext ctx);
+typedef mp_CUresult (*mp_cuCtxGetStreamPriorityRange_fn)(int *least, int *greatest);
+typedef mp_CUresult (*mp_cuStreamCreateWithPriority_fn)(mp_CUstream *stream, unsigned int flags, int priority);
+typedef mp_CUresult (*mp_cuStreamDestroy_fn)(mp_CUstream stream);
+typedef mp_CUresult (*mp_cuStreamWaitEvent_fn)(mp_CUstream stream, mp_CUevent event, unsigned int flags);
+typedef mp_CUresult (*mp_cuStreamSynchronize_fn)(mp_CUstream stream);
+typedef mp_CUresult (*mp_cuEventCreate_fn)(mp_CUevent *event, unsigned int flags);
+typedef mp_CUresult (*mp_cuEventDestroy_fn)(mp_CUevent event);
+typedef mp_CUresult (*mp_cuEventRecord_fn)(mp_CUevent event, mp_CUstream stream);
+typedef mp_CUresult (*mp_cuEventQuery_fn)(mp_CUevent event);
+typedef mp_CUresult (*mp_cuMemAlloc_fn)(mp_CUdeviceptr *ptr, size_t bytes);
+typedef mp_CUresult (*mp_cuMemFree_fn)(mp_CUdeviceptr ptr);
+typedef mp_CUresult (*mp_cuGetErrorString_fn)(mp_CUresult error, const char **text);
+
+#endif

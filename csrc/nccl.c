@@ -1,0 +1,650 @@
+/* The NCCL transport. Ops complete through CUDA events: end() records one event per lane
+ * after the steps posted since begin(), and progress() finishes the ops of every event that has
+ * fired, in order. Host waits poll those events and ncclCommGetAsyncError against a deadline,
+ * because NCCL itself never times out. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "dtype.h"
+#include "nccl.h"
+
+/* ---- issuing: one step, one NCCL group ---------------------------------------------------- */
+
+mp_ncclDataType_t mp_nccl_datatype(int dtype, uint64_t nbytes, int nccl_version, size_t *count)
+{
+    mp_ncclDataType_t type = MP_NCCL_UINT8;
+    size_t size = 1;
+    int fp8 = nccl_version >= MP_NCCL_FLOAT8_VERSION;
+    switch ((mp_dtype)dtype) {
+    case MP_DT_FLOAT64: type = MP_NCCL_FLOAT64; size = 8; break;
+    case MP_DT_FLOAT32: type = MP_NCCL_FLOAT32; size = 4; break;
+    case MP_DT_FLOAT16: type = MP_NCCL_FLOAT16; size = 2; break;
+    case MP_DT_BFLOAT16: type = MP_NCCL_BFLOAT16; size = 2; break;
+    case MP_DT_FLOAT8_E4M3FN: type = fp8 ? MP_NCCL_FLOAT8E4M3 : MP_NCCL_UINT8; break;
+    case MP_DT_FLOAT8_E5M2: type = fp8 ? MP_NCCL_FLOAT8E5M2 : MP_NCCL_UINT8; break;
+    case MP_DT_INT8: type = MP_NCCL_INT8; break;
+    case MP_DT_INT32: type = MP_NCCL_INT32; size = 4; break;
+    case MP_DT_INT64: type = MP_NCCL_INT64; size = 8; break;
+    case MP_DT_UINT32: type = MP_NCCL_UINT32; size = 4; break;
+    case MP_DT_UINT64: type = MP_NCCL_UINT64; size = 8; break;
+    default: break; /* no NCCL type of its own (bool, int16, fnuz float8, complex, ...): bytes */
+    }
+    if (nbytes % size) { /* cannot happen for a whole tensor; keep the bytes exact regardless */
+        type = MP_NCCL_UINT8;
+        size = 1;
+    }
+    *count = (size_t)(nbytes / size);
+    return type;
+}
+
+mp_ncclResult_t mp_nccl_issue(const mp_nccl_calls *calls, void *ctx, const mp_step *step, int nccl_version)
+{
+    mp_ncclResult_t first = calls->group_start(ctx);
+    if (first != MP_NCCL_SUCCESS)
+        return first;
+    for (int i = 0; i < step->nops; i++) {
+        const mp_op *op = step->ops[i];
+        size_t count;
+        mp_ncclDataType_t type = mp_nccl_datatype(op->dtype, op->nbytes, nccl_version, &count);
+        mp_ncclResult_t r = op->kind == MP_SEND ? calls->send(ctx, op, count, type)
+                                                : calls->recv(ctx, op, count, type);
+        if (r != MP_NCCL_SUCCESS && first == MP_NCCL_SUCCESS)
+            first = r;
+    }
+    mp_ncclResult_t end = calls->group_end(ctx, step->lane); /* always: a group must be closed */
+    return first != MP_NCCL_SUCCESS ? first : end;
+}
+
+/* ---- the transport ------------------------------------------------------------------------ */
+
+typedef struct fence {
+    mp_CUevent event;
+    mp_step *steps;          /* the steps this event completes, in issue order */
+    struct fence *next;
+} fence;
+
+typedef struct {
+    mp_ncclComm_t comm;      /* NULL once aborted */
+    mp_CUstream stream;
+    mp_step *open_head, *open_tail; /* issued since begin(), not yet fenced */
+    fence *head, *tail;      /* fenced, oldest first: events on one stream fire in order */
+} lane_t;
+
+typedef struct {
+    mp_transport base;
+    const mp_nccl_lib *nccl;
+    const mp_cuda_lib *cu;
+    int device;
+    mp_CUcontext ctx;        /* the device's primary context, which torch uses too */
+    int ctx_retained;
+    mp_CUevent ready;        /* recorded on the caller's stream by begin() */
+    mp_CUdeviceptr scratch;  /* warm-up buffers */
+    double timeout;
+    lane_t lanes[2];
+    fence *spare;            /* recycled fences, each with its event */
+    pthread_mutex_t lock;    /* abort() may come from another thread */
+    mp_result cause;
+    int cause_rank;
+    char cause_detail[256];
+} nccl_t;
+
+static const char *cu_error(nccl_t *n, mp_CUresult r)
+{
+    const char *s = NULL;
+    if (n->cu->GetErrorString(r, &s) != MP_CUDA_SUCCESS || !s)
+        s = "unknown CUDA error";
+    return s;
+}
+
+static const char *nccl_error(nccl_t *n, mp_ncclComm_t comm, mp_ncclResult_t r)
+{
+    const char *last = n->nccl->GetLastError && comm ? n->nccl->GetLastError(comm) : NULL;
+    return last && last[0] ? last : n->nccl->GetErrorString(r);
+}
+
+/* The device's context is made current for the calling thread while it works on the device. */
+static mp_CUcontext enter(nccl_t *n)
+{
+    mp_CUcontext cur = NULL;
+    if (!n->ctx) /* creation failed before the context existed */
+        return NULL;
+    n->cu->CtxGetCurrent(&cur);
+    if (cur != n->ctx)
+        n->cu->CtxSetCurrent(n->ctx);
+    return cur;
+}
+
+static void leave(nccl_t *n, mp_CUcontext saved)
+{
+    if (n->ctx && saved != n->ctx)
+        n->cu->CtxSetCurrent(saved);
+}
+
+static void finish_op(mp_op *op, mp_result r, const char *detail)
+{
+    op->result = r;
+    snprintf(op->detail, sizeof op->detail, "%s", detail);
+    atomic_store_explicit(&op->state, MP_OP_DONE, memory_order_release);
+}
+
+static void finish_steps(mp_step *s, mp_result r, const char *detail)
+{
+    while (s) {
+        mp_step *next = s->next;
+        for (int i = 0; i < s->nops; i++)
+            if (s->ops[i])
+                finish_op(s->ops[i], r, detail);
+        free(s);
+        s = next;
+    }
+}
+
+/* Fails every op not yet complete; after this the transport holds no op. Lock held. */
+static void fail_all(nccl_t *n, mp_result r, const char *detail)
+{
+    for (int l = 0; l < n->base.nlanes; l++) {
+        lane_t *lane = &n->lanes[l];
+        finish_steps(lane->open_head, r, detail);
+        lane->open_head = lane->open_tail = NULL;
+        while (lane->head) {
+            fence *f = lane->head;
+            lane->head = f->next;
+            finish_steps(f->steps, r, detail);
+            f->steps = NULL;
+            f->next = n->spare;
+            n->spare = f;
+        }
+        lane->tail = NULL;
+    }
+}
+
+/* Lock held. ncclCommAbort does not wait for the peers, so it is safe at any point. */
+static void abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail)
+{
+    if (n->cause != MP_OK)
+        return;
+    n->cause = cause;
+    n->cause_rank = rank;
+    snprintf(n->cause_detail, sizeof n->cause_detail, "%s", detail);
+    mp_CUcontext saved = enter(n);
+    for (int l = 0; l < n->base.nlanes; l++)
+        if (n->lanes[l].comm) {
+            n->nccl->CommAbort(n->lanes[l].comm);
+            n->lanes[l].comm = NULL;
+        }
+    leave(n, saved);
+    fail_all(n, cause, n->cause_detail);
+}
+
+/* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. */
+static mp_ncclResult_t settle(nccl_t *n, mp_ncclComm_t comm, double deadline)
+{
+    mp_ncclResult_t state = MP_NCCL_IN_PROGRESS;
+    for (unsigned spins = 0;; spins++) {
+        if (n->nccl->CommGetAsyncError(comm, &state) != MP_NCCL_SUCCESS)
+            return MP_NCCL_INTERNAL_ERROR;
+        if (state != MP_NCCL_IN_PROGRESS)
+            return state;
+        if (mp_now() > deadline)
+            return MP_NCCL_TIMEOUT;
+        if (spins > 64)
+            usleep(spins > 4096 ? 1000 : 20);
+    }
+}
+
+/* Finishes the ops of every fence whose event has fired. Lock held. */
+static void progress_locked(nccl_t *n)
+{
+    for (int l = 0; l < n->base.nlanes; l++) {
+        lane_t *lane = &n->lanes[l];
+        while (lane->head) {
+            fence *f = lane->head;
+            mp_CUresult r = n->cu->EventQuery(f->event);
+            if (r == MP_CUDA_ERROR_NOT_READY)
+                break;
+            if (r != MP_CUDA_SUCCESS) {
+                char detail[200];
+                snprintf(detail, sizeof detail, "CUDA reported an error on lane %d's stream: %s", l, cu_error(n, r));
+                abort_locked(n, MP_ERR_SYSTEM, n->base.rank, detail);
+                return;
+            }
+            lane->head = f->next;
+            if (!lane->head)
+                lane->tail = NULL;
+            finish_steps(f->steps, MP_OK, "");
+            f->steps = NULL;
+            f->next = n->spare;
+            n->spare = f;
+        }
+    }
+}
+
+/* An asynchronous NCCL error (a remote failure, a dead connection) aborts everything. */
+static void check_async_locked(nccl_t *n)
+{
+    for (int l = 0; l < n->base.nlanes && n->cause == MP_OK; l++) {
+        mp_ncclResult_t state = MP_NCCL_SUCCESS;
+        if (!n->lanes[l].comm || n->nccl->CommGetAsyncError(n->lanes[l].comm, &state) != MP_NCCL_SUCCESS)
+            continue;
+        if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
+            char detail[256];
+            snprintf(detail, sizeof detail, "NCCL reported an asynchronous error on lane %d: %s", l,
+                     nccl_error(n, n->lanes[l].comm, state));
+            abort_locked(n, state == MP_NCCL_REMOTE_ERROR ? MP_ERR_PEER_DEAD : MP_ERR_SYSTEM, n->base.rank, detail);
+        }
+    }
+}
+
+/* ---- the real NCCL calls ------------------------------------------------------------------ */
+
+static mp_ncclResult_t real_group_start(void *ctx) { return ((nccl_t *)ctx)->nccl->GroupStart(); }
+
+static mp_ncclResult_t real_group_end(void *ctx, int lane)
+{
+    nccl_t *n = ctx;
+    mp_ncclResult_t r = n->nccl->GroupEnd();
+    /* The launch may finish asynchronously; the lane's event must be recorded after it. */
+    return r == MP_NCCL_IN_PROGRESS ? settle(n, n->lanes[lane].comm, mp_now() + n->timeout) : r;
+}
+
+static mp_ncclResult_t real_send(void *ctx, const mp_op *op, size_t count, mp_ncclDataType_t type)
+{
+    nccl_t *n = ctx;
+    lane_t *lane = &n->lanes[op->lane];
+    return n->nccl->Send(op->buf, count, type, op->peer, lane->comm, lane->stream);
+}
+
+static mp_ncclResult_t real_recv(void *ctx, const mp_op *op, size_t count, mp_ncclDataType_t type)
+{
+    nccl_t *n = ctx;
+    lane_t *lane = &n->lanes[op->lane];
+    return n->nccl->Recv(op->buf, count, type, op->peer, lane->comm, lane->stream);
+}
+
+static const mp_nccl_calls real_calls = {real_group_start, real_group_end, real_send, real_recv};
+
+/* ---- vtable -------------------------------------------------------------------------------- */
+
+static mp_result nccl_begin(mp_transport *t, void *stream)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    mp_result res = n->cause != MP_OK ? n->cause : MP_OK;
+    if (res == MP_OK) {
+        mp_CUcontext saved = enter(n);
+        mp_CUresult r = n->cu->EventRecord(n->ready, (mp_CUstream)stream);
+        for (int l = 0; r == MP_CUDA_SUCCESS && l < t->nlanes; l++)
+            r = n->cu->StreamWaitEvent(n->lanes[l].stream, n->ready, 0);
+        leave(n, saved);
+        if (r != MP_CUDA_SUCCESS) {
+            char detail[200];
+            snprintf(detail, sizeof detail, "ordering the lanes after the caller's stream failed: %s", cu_error(n, r));
+            abort_locked(n, MP_ERR_SYSTEM, t->rank, detail);
+            res = MP_ERR_SYSTEM;
+        }
+    }
+    pthread_mutex_unlock(&n->lock);
+    return res;
+}
+
+static mp_result nccl_post(mp_transport *t, mp_step *step)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    if (n->cause != MP_OK) {
+        mp_result cause = n->cause;
+        pthread_mutex_unlock(&n->lock);
+        return cause;
+    }
+    lane_t *lane = &n->lanes[step->lane];
+    for (int i = 0; i < step->nops; i++) {
+        step->ops[i]->index = i;
+        atomic_store_explicit(&step->ops[i]->state, MP_OP_ACTIVE, memory_order_release);
+    }
+    step->next = NULL;
+    if (lane->open_tail)
+        lane->open_tail->next = step;
+    else
+        lane->open_head = step;
+    lane->open_tail = step; /* owned from here on, so a failure below finishes its ops */
+    mp_CUcontext saved = enter(n);
+    mp_ncclResult_t r = mp_nccl_issue(&real_calls, n, step, n->nccl->version);
+    leave(n, saved);
+    if (r != MP_NCCL_SUCCESS) {
+        char detail[256];
+        snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %s", step->lane,
+                 nccl_error(n, lane->comm, r));
+        abort_locked(n, r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : MP_ERR_SYSTEM, t->rank, detail);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return MP_OK; /* the step is ours either way; a failure is reported through its ops */
+}
+
+static mp_result nccl_end(mp_transport *t)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    mp_result res = MP_OK;
+    mp_CUcontext saved = enter(n);
+    for (int l = 0; l < t->nlanes && n->cause == MP_OK; l++) {
+        lane_t *lane = &n->lanes[l];
+        if (!lane->open_head)
+            continue;
+        fence *f = n->spare;
+        mp_CUresult r = MP_CUDA_SUCCESS;
+        if (f) {
+            n->spare = f->next;
+        } else if ((f = calloc(1, sizeof *f))) {
+            r = n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING);
+            if (r != MP_CUDA_SUCCESS) {
+                free(f);
+                f = NULL;
+            }
+        }
+        if (f && r == MP_CUDA_SUCCESS)
+            r = n->cu->EventRecord(f->event, lane->stream);
+        if (!f || r != MP_CUDA_SUCCESS) {
+            if (f) {
+                f->next = n->spare;
+                n->spare = f;
+            }
+            char detail[200];
+            snprintf(detail, sizeof detail, "recording lane %d's completion event failed: %s", l,
+                     f ? cu_error(n, r) : "out of memory");
+            abort_locked(n, MP_ERR_SYSTEM, t->rank, detail);
+            res = MP_ERR_SYSTEM;
+            break;
+        }
+        f->steps = lane->open_head;
+        f->next = NULL;
+        for (mp_step *s = f->steps; s; s = s->next)
+            for (int i = 0; i < s->nops; i++)
+                s->ops[i]->fence = f;
+        lane->open_head = lane->open_tail = NULL;
+        if (lane->tail)
+            lane->tail->next = f;
+        else
+            lane->head = f;
+        lane->tail = f;
+    }
+    leave(n, saved);
+    pthread_mutex_unlock(&n->lock);
+    return res;
+}
+
+static void nccl_progress(mp_transport *t)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    if (n->cause == MP_OK)
+        progress_locked(n);
+    pthread_mutex_unlock(&n->lock);
+}
+
+static mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline)
+{
+    nccl_t *n = (nccl_t *)t;
+    for (unsigned polls = 0;; polls++) {
+        pthread_mutex_lock(&n->lock);
+        if (n->cause == MP_OK) {
+            progress_locked(n);
+            if (!mp_op_done(op))
+                check_async_locked(n);
+        }
+        pthread_mutex_unlock(&n->lock);
+        if (mp_op_done(op))
+            return MP_OK;
+        if (mp_now() > deadline)
+            return MP_ERR_TIMEOUT;
+        if (polls > 64) /* a short spin catches fast completions; then poll gently */
+            usleep(polls > 4096 ? 1000 : 20);
+    }
+}
+
+static mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
+{
+    nccl_t *n = (nccl_t *)t;
+    mp_result res = MP_OK;
+    pthread_mutex_lock(&n->lock);
+    if (n->cause == MP_OK)
+        progress_locked(n);
+    if (!mp_op_done(op) && op->fence) {
+        mp_CUcontext saved = enter(n);
+        mp_CUresult r = n->cu->StreamWaitEvent((mp_CUstream)stream, ((fence *)op->fence)->event, 0);
+        leave(n, saved);
+        if (r != MP_CUDA_SUCCESS) {
+            char detail[200];
+            snprintf(detail, sizeof detail, "making the caller's stream wait failed: %s", cu_error(n, r));
+            abort_locked(n, MP_ERR_SYSTEM, t->rank, detail);
+            res = MP_ERR_SYSTEM;
+        }
+    }
+    pthread_mutex_unlock(&n->lock);
+    return res;
+}
+
+static void nccl_abort(mp_transport *t, mp_result cause, int rank)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    char detail[128];
+    snprintf(detail, sizeof detail, "%s (group rank %d)", mp_result_str(cause), rank);
+    abort_locked(n, cause, rank, detail);
+    pthread_mutex_unlock(&n->lock);
+}
+
+static mp_result nccl_abort_cause(mp_transport *t, int *rank)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    mp_result cause = n->cause;
+    *rank = n->cause_rank;
+    pthread_mutex_unlock(&n->lock);
+    return cause;
+}
+
+static void nccl_describe_peer(mp_transport *t, const mp_op *op, char *buf, size_t len)
+{
+    (void)t;
+    snprintf(buf, len, "%s", op->fence ? "its lane's completion event has not fired"
+                                       : "not yet fenced");
+}
+
+static void nccl_destroy(mp_transport *t)
+{
+    nccl_t *n = (nccl_t *)t;
+    /* Pending work is given until the timeout to finish; then the communicators are aborted,
+     * never destroyed, since ncclCommDestroy can wait on the peers. */
+    double deadline = mp_now() + n->timeout;
+    for (;;) {
+        pthread_mutex_lock(&n->lock);
+        progress_locked(n);
+        int pending = 0;
+        for (int l = 0; l < t->nlanes; l++)
+            pending |= n->lanes[l].head != NULL || n->lanes[l].open_head != NULL;
+        if (!pending || n->cause != MP_OK || mp_now() > deadline) {
+            abort_locked(n, MP_ERR_CLOSED, t->rank, "the communicator was closed with the op pending");
+            pthread_mutex_unlock(&n->lock);
+            break;
+        }
+        pthread_mutex_unlock(&n->lock);
+        usleep(200);
+    }
+    if (n->ctx) {
+        mp_CUcontext saved = enter(n);
+        for (int l = 0; l < t->nlanes; l++)
+            if (n->lanes[l].stream)
+                n->cu->StreamDestroy(n->lanes[l].stream);
+        while (n->spare) {
+            fence *f = n->spare;
+            n->spare = f->next;
+            n->cu->EventDestroy(f->event);
+            free(f);
+        }
+        if (n->ready)
+            n->cu->EventDestroy(n->ready);
+        if (n->scratch)
+            n->cu->MemFree(n->scratch);
+        leave(n, saved);
+    }
+    if (n->ctx_retained)
+        n->cu->DevicePrimaryCtxRelease(n->device);
+    pthread_mutex_destroy(&n->lock);
+    free(n);
+}
+
+static const mp_transport_ops nccl_ops = {
+    .name = "nccl",
+    .post = nccl_post,
+    .wait = nccl_wait,
+    .abort = nccl_abort,
+    .abort_cause = nccl_abort_cause,
+    .describe_peer = nccl_describe_peer,
+    .destroy = nccl_destroy,
+    .begin = nccl_begin,
+    .end = nccl_end,
+    .progress = nccl_progress,
+    .stream_wait = nccl_stream_wait,
+};
+
+/* ---- creation ------------------------------------------------------------------------------- */
+
+/* One tiny group per lane to every ring neighbour, so that connection setup happens now, in the
+ * same order on every rank, and not inside the first exchange. */
+static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
+{
+    int rank = n->base.rank, size = n->base.size;
+    int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    for (int l = 0; l < n->base.nlanes; l++) {
+        lane_t *lane = &n->lanes[l];
+        char *base = (char *)(uintptr_t)n->scratch;
+        mp_ncclResult_t r = n->nccl->GroupStart();
+        if (r == MP_NCCL_SUCCESS) {
+            n->nccl->Send(base, 1, MP_NCCL_UINT8, next, lane->comm, lane->stream);
+            n->nccl->Recv(base + 1, 1, MP_NCCL_UINT8, prev, lane->comm, lane->stream);
+            if (next != prev) {
+                n->nccl->Send(base, 1, MP_NCCL_UINT8, prev, lane->comm, lane->stream);
+                n->nccl->Recv(base + 2, 1, MP_NCCL_UINT8, next, lane->comm, lane->stream);
+            }
+            r = n->nccl->GroupEnd();
+            if (r == MP_NCCL_IN_PROGRESS)
+                r = settle(n, lane->comm, deadline);
+        }
+        if (r != MP_NCCL_SUCCESS) {
+            snprintf(err, errlen, "warming up lane %d failed: %s", l, nccl_error(n, lane->comm, r));
+            return r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : MP_ERR_SYSTEM;
+        }
+        mp_CUresult c = n->cu->EventRecord(n->ready, lane->stream);
+        while (c == MP_CUDA_SUCCESS && (c = n->cu->EventQuery(n->ready)) == MP_CUDA_ERROR_NOT_READY) {
+            if (mp_now() > deadline) {
+                snprintf(err, errlen, "warming up lane %d: a neighbour (group rank %d or %d) did not take part "
+                         "in time", l, prev, next);
+                return MP_ERR_TIMEOUT;
+            }
+            usleep(100);
+        }
+        if (c != MP_CUDA_SUCCESS) {
+            snprintf(err, errlen, "warming up lane %d: %s", l, cu_error(n, c));
+            return MP_ERR_SYSTEM;
+        }
+    }
+    return MP_OK;
+}
+
+static mp_result open_device(nccl_t *n, const mp_nccl_config *cfg, char *err, size_t errlen)
+{
+    const mp_cuda_lib *cu = n->cu;
+    mp_CUdevice dev;
+    mp_CUresult r = cu->Init(0);
+    if (r == MP_CUDA_SUCCESS)
+        r = cu->DeviceGet(&dev, cfg->device);
+    if (r == MP_CUDA_SUCCESS && (r = cu->DevicePrimaryCtxRetain(&n->ctx, dev)) == MP_CUDA_SUCCESS)
+        n->ctx_retained = 1;
+    if (r != MP_CUDA_SUCCESS) {
+        snprintf(err, errlen, "CUDA device %d is not usable: %s", cfg->device, cu_error(n, r));
+        return MP_ERR_SYSTEM;
+    }
+    int least = 0, greatest = 0;
+    mp_CUcontext saved = enter(n);
+    r = cu->CtxGetStreamPriorityRange(&least, &greatest);
+    for (int l = 0; r == MP_CUDA_SUCCESS && l < cfg->nlanes; l++)
+        r = cu->StreamCreateWithPriority(&n->lanes[l].stream, MP_CU_STREAM_NON_BLOCKING,
+                                         cfg->high_priority ? greatest : least);
+    if (r == MP_CUDA_SUCCESS)
+        r = cu->EventCreate(&n->ready, MP_CU_EVENT_DISABLE_TIMING);
+    if (r == MP_CUDA_SUCCESS)
+        r = cu->MemAlloc(&n->scratch, 16);
+    leave(n, saved);
+    if (r != MP_CUDA_SUCCESS) {
+        snprintf(err, errlen, "creating streams on CUDA device %d failed: %s", cfg->device, cu_error(n, r));
+        return MP_ERR_SYSTEM;
+    }
+    return MP_OK;
+}
+
+static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadline, char *err, size_t errlen)
+{
+    mp_ncclConfigPrefix config = {
+        .size = sizeof config,
+        .magic = MP_NCCL_CONFIG_MAGIC,
+        .version = MP_NCCL_MIN_VERSION,
+        .blocking = 0,
+    };
+    for (int l = 0; l < cfg->nlanes; l++) {
+        mp_ncclResult_t r = n->nccl->CommInitRankConfig(&n->lanes[l].comm, cfg->size, cfg->ids[l], cfg->rank, &config);
+        if (r != MP_NCCL_SUCCESS && r != MP_NCCL_IN_PROGRESS) {
+            snprintf(err, errlen, "ncclCommInitRankConfig for lane %d failed: %s", l,
+                     nccl_error(n, n->lanes[l].comm, r));
+            return MP_ERR_SYSTEM;
+        }
+    }
+    for (int l = 0; l < cfg->nlanes; l++) {
+        mp_ncclResult_t r = settle(n, n->lanes[l].comm, deadline);
+        if (r != MP_NCCL_SUCCESS) {
+            snprintf(err, errlen, r == MP_NCCL_TIMEOUT ? "lane %d: not every rank joined the NCCL communicator in "
+                                                         "time (%s)"
+                                                       : "lane %d: NCCL initialisation failed: %s",
+                     l, nccl_error(n, n->lanes[l].comm, r));
+            return r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : MP_ERR_SYSTEM;
+        }
+    }
+    return MP_OK;
+}
+
+mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const mp_cuda_lib *cuda,
+                       mp_transport **out, char *err, size_t errlen)
+{
+    nccl_t *n = calloc(1, sizeof *n);
+    if (!n) {
+        snprintf(err, errlen, "out of memory");
+        return MP_ERR_SYSTEM;
+    }
+    n->base.ops = &nccl_ops;
+    n->base.rank = cfg->rank;
+    n->base.size = cfg->size;
+    n->base.nlanes = cfg->nlanes;
+    n->nccl = nccl;
+    n->cu = cuda;
+    n->device = cfg->device;
+    n->timeout = cfg->timeout;
+    pthread_mutex_init(&n->lock, NULL);
+    double deadline = mp_now() + cfg->timeout;
+    mp_result res = open_device(n, cfg, err, errlen);
+    if (res == MP_OK) {
+        mp_CUcontext saved = enter(n);
+        res = open_comms(n, cfg, deadline, err, errlen);
+        if (res == MP_OK)
+            res = warm_up(n, deadline, err, errlen);
+        leave(n, saved);
+    }
+    if (res != MP_OK) {
+        nccl_destroy(&n->base); /* aborts whatever communicators exist */
+        return res;
+    }
+    *out = &n->base;
+    return MP_OK;
+}
