@@ -1,6 +1,7 @@
 /* Communicator: argument checking, the plan, and posting steps to a transport. Every check
  * runs before anything is posted, so a misuse leaves the communicator usable. */
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bindings.h"
@@ -431,7 +432,7 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
     PyObject *reqs = PyList_New(nops);
     if (!reqs)
         return NULL;
-    mp_step *step = PyMem_RawMalloc(sizeof(mp_step) + sizeof(mp_op *) * (size_t)(nops ? nops : 1));
+    mp_step *step = malloc(sizeof(mp_step) + sizeof(mp_op *) * (size_t)(nops ? nops : 1));
     if (!step) {
         Py_DECREF(reqs);
         return PyErr_NoMemory();
@@ -439,7 +440,7 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
     for (int i = 0; i < nops; i++) {
         RequestObject *req = mp_request_new(self, ops[i].tensor, &ops[i].buf);
         if (!req) {
-            PyMem_RawFree(step);
+            free(step);
             Py_DECREF(reqs);
             return NULL;
         }
@@ -474,7 +475,7 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
     r = t->ops->post(t, step);
     Py_END_ALLOW_THREADS
     if (r != MP_OK) {
-        PyMem_RawFree(step);
+        free(step);
         Py_DECREF(reqs);
         check_usable(self);
         if (!PyErr_Occurred())

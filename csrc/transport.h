@@ -13,7 +13,7 @@ typedef struct mp_transport mp_transport;
 
 typedef struct {
     const char *name;
-    /* Takes ownership of `step`; its ops are left QUEUED and reach DONE later. Fails only when
+    /* Takes ownership of `step` (from malloc); its ops are left QUEUED and reach DONE later. Fails only when
      * the communicator is aborted or closed (nothing is posted then). */
     mp_result (*post)(mp_transport *t, mp_step *step);
     /* Blocks until `op` is DONE or `deadline` (mp_now() seconds) passes: MP_ERR_TIMEOUT. */
