@@ -104,3 +104,25 @@ def test_import_never_fails_for_a_missing_library(tmp_path):
     out = load("out = sorted(n for n in ('init_communicator', 'nccl_version') if hasattr(mp, n))",
                env={"MEGATRON_P2P_NCCL_LIBRARY": str(tmp_path / "missing.so")})
     assert out == ["init_communicator", "nccl_version"]
+
+
+@pytest.mark.parametrize("torch_has", ["same", "other"])
+def test_a_libnccl_other_than_torchs_is_warned_about(torch_has):
+    """Two libnccl copies in one process cannot share communicators: a version that differs
+    from torch.cuda.nccl.version() warns, the same version does not. (torch's version is
+    stood in for here: this machine's torch has no CUDA.)"""
+    major, minor, patch = header_version()
+    theirs = (major, minor, patch) if torch_has == "same" else (major, minor - 1, 0)
+    out = load(f"""
+import warnings
+import megatron_p2p.nccl as n
+n._torch_nccl_version = lambda: {theirs!r}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    n.nccl_version()
+out = [str(w.message) for w in caught]
+""")
+    if torch_has == "same":
+        assert out == []
+    else:
+        assert len(out) == 1 and "two libnccl copies" in out[0], out
