@@ -15,7 +15,13 @@ all: build
 $(DEPS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0 pytest numpy setuptools wheel
+	$(PY) -m pip install --quiet torch==2.13.0 pytest numpy matplotlib setuptools wheel
+	# libnccl.so.2 and nccl.h, for the NCCL loader and ABI tests (no GPU needed).
+	$(PY) -m pip install --quiet nvidia-nccl-cu13==2.30.7
+	# megatron-core, for the drop-in tests only. Its wheel says Python >= 3.12 but runs on 3.11; of its
+	# dependencies the import needs torch, numpy, packaging, and triton (schedules imports it at module level).
+	$(PY) -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(PY) -m pip install --quiet --no-deps packaging triton==3.9.0
 	# The source tree itself is the package (a .pth entry), so torchrun workers import it too.
 	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/megatron_p2p_source.pth"
 	touch $@
@@ -47,6 +53,14 @@ sanitize: $(DEPS)
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider $(CURDIR)/tests
+
+# The benchmark suite (benchmarks/run.py): torchrun jobs with wall-clock limits, then one JSON,
+# PNG plots, a table and a goal line per goal. `bench` also rewrites benchmarks/RESULTS.md.
+bench: build
+	$(PY) benchmarks/run.py --results-md benchmarks/RESULTS.md
+
+bench-quick: build
+	$(PY) benchmarks/run.py --quick
 
 clean:
 	rm -rf build megatron_p2p/*.so

@@ -13,7 +13,19 @@ What you get:
   ordering bugs show up at every tensor size;
 - every wait bounded: P2PTimeoutError lists the pending ops and aborts the communicator so
   peers fail too; a dead peer raises PeerFailureError; a size or dtype disagreement raises
-  MismatchError on both sides.
+  MismatchError on both sides;
+- on GPUs (backend="nccl" or "auto"), NCCL grouped send/recv on dedicated CUDA streams, one
+  NCCL communicator per lane, libnccl found at run time (nccl_version() says which);
+  Request.wait() makes the current stream wait, Request.synchronize() blocks the host.
+
+Megatron drop-in (megatron-core 0.14+ and the older module-level functions):
+- P2PCommunicator(pp_group, config): megatron-core's class, same methods and return values,
+  to pass to its schedules as p2p_communicator= (with pg_collection=);
+- patch_megatron() / unpatch_megatron(): swap it (and the legacy functions) wherever
+  megatron-core binds them, and back; `with patch_megatron():` does both;
+- megatron_p2p.p2p_communication: _p2p_ops, _batched_p2p_ops and the legacy functions;
+- isend / irecv / batch_isend_irecv / P2POp take torch.distributed's signatures, finding the
+  communicator of `group` (create it first: init_communicator(group), or register_communicator).
 """
 from ._C import (
     BackendUnavailableError,
@@ -25,19 +37,29 @@ from ._C import (
     Request,
 )
 from .communicator import init_communicator
-from .ops import P2POp, batch_isend_irecv, irecv, isend
+from .nccl import NcclVersion, nccl_version
+from .megatron_patch import patch_megatron, unpatch_megatron
+from .ops import P2POp, batch_isend_irecv, get_communicator, irecv, isend, register_communicator
+from .p2p_communication import P2PCommunicator
 
 __all__ = [
     "BackendUnavailableError",
     "Communicator",
     "MismatchError",
+    "NcclVersion",
     "P2PError",
+    "P2PCommunicator",
     "P2POp",
     "P2PTimeoutError",
     "PeerFailureError",
     "Request",
     "batch_isend_irecv",
+    "get_communicator",
     "init_communicator",
     "irecv",
     "isend",
+    "nccl_version",
+    "patch_megatron",
+    "register_communicator",
+    "unpatch_megatron",
 ]

@@ -1,50 +1,175 @@
-"""torch.distributed-style ops over a megatron_p2p communicator."""
+"""torch.distributed-style ops over megatron_p2p communicators, and the per-group registry
+that lets code which passes a process group (or nothing) find its communicator.
+
+Communicators are never created here: creation is collective, and creating them lazily at
+first use lets ranks reach it in different orders and hang (Megatron-LM PR #5240). Create one
+per group up front with `init_communicator(group)` (keep it) or `register_communicator`."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import _C
+from . import communicator as _communicator
 
 Request = _C.Request
+Communicator = _C.Communicator
+
+_registered: dict[tuple[int, ...], Communicator] = {}
 
 
-def isend(tensor: torch.Tensor, dst: int, *, comm: _C.Communicator) -> Request:
-    """Posts a send of `tensor` to global rank `dst`; ops run one by one in call order."""
-    return comm.isend(tensor, dst)
+def group_ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
+    """Global ranks of `group` (None: every rank), in group-rank order."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: a process group cannot be resolved to ranks")
+    if group is None or group is dist.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
-def irecv(tensor: torch.Tensor, src: int, *, comm: _C.Communicator) -> Request:
-    """Posts a receive into `tensor` from global rank `src`; ops run one by one in call order."""
-    return comm.irecv(tensor, src)
+def register_communicator(comm: Communicator) -> Communicator:
+    """Makes `comm` the communicator that group arguments over its ranks resolve to, and keeps
+    it alive until it is closed or replaced. Returns `comm`."""
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"register_communicator takes a megatron_p2p Communicator, not {type(comm).__name__}")
+    _registered[tuple(comm.ranks)] = comm
+    return comm
+
+
+def find_communicator(ranks: tuple[int, ...]) -> Optional[Communicator]:
+    """The open communicator over exactly `ranks`: the registered one, else the only live one
+    that `init_communicator` made; None if there is none. Several unregistered ones: an error."""
+    comm = _registered.get(ranks)
+    if comm is not None and not comm.closed:
+        return comm
+    live = [c for c in list(_communicator._live) if not c.closed and tuple(c.ranks) == ranks]
+    if len(live) > 1:
+        raise RuntimeError(
+            f"{len(live)} open megatron_p2p communicators span global ranks {list(ranks)}; choose one with "
+            "megatron_p2p.register_communicator(comm)"
+        )
+    return live[0] if live else None
+
+
+def get_communicator(group: Optional[dist.ProcessGroup] = None) -> Communicator:
+    """The open communicator over `group`'s ranks (see find_communicator); an error saying how
+    to create it when there is none."""
+    ranks = group_ranks(group)
+    comm = find_communicator(ranks)
+    if comm is not None:
+        return comm
+    raise RuntimeError(
+        f"no megatron_p2p communicator spans global ranks {list(ranks)}. Create it on every member of the group, "
+        "before the first exchange: comm = megatron_p2p.init_communicator(group) (keep a reference) or "
+        "megatron_p2p.register_communicator(megatron_p2p.init_communicator(group)). Communicators are never "
+        "created at first use: ranks that reach first use in different orders would hang."
+    )
+
+
+def _resolve(group: Optional[dist.ProcessGroup], comm: Optional[Communicator], tag: int, fn: str) -> Communicator:
+    if tag != 0:
+        raise ValueError(
+            f"{fn}: tag={tag!r} is not supported; messages between two ranks match in issue order (tag 0). "
+            "Use a separate communicator for a separate stream of messages."
+        )
+    if comm is None:
+        return get_communicator(group)
+    if group is not None and tuple(comm.ranks) != group_ranks(group):
+        raise ValueError(f"{fn}: comm spans ranks {list(comm.ranks)} but group spans {list(group_ranks(group))}")
+    return comm
+
+
+def _peer(comm: Communicator, peer: Optional[int], group_peer: Optional[int], names: tuple[str, str]) -> int:
+    if (peer is None) == (group_peer is None):
+        raise ValueError(f"give exactly one of {names[0]} (a global rank) and {names[1]} (a rank in the group)")
+    if peer is not None:
+        return peer
+    if not 0 <= group_peer < comm.size:  # type: ignore[operator]
+        raise ValueError(f"{names[1]}={group_peer} is outside a group of {comm.size} ranks")
+    return comm.ranks[group_peer]  # type: ignore[index]
+
+
+def isend(
+    tensor: torch.Tensor,
+    dst: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    tag: int = 0,
+    group_dst: Optional[int] = None,
+    *,
+    comm: Optional[Communicator] = None,
+) -> Request:
+    """torch.distributed.isend's signature: posts a send of `tensor` to global rank `dst` (or to
+    `group_dst` within `group`). Ops of one communicator run one by one in call order.
+    `comm=` names the communicator; otherwise `group`'s registered one is used."""
+    c = _resolve(group, comm, tag, "isend")
+    return c.isend(tensor, _peer(c, dst, group_dst, ("dst", "group_dst")))
+
+
+def irecv(
+    tensor: torch.Tensor,
+    src: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    tag: int = 0,
+    group_src: Optional[int] = None,
+    *,
+    comm: Optional[Communicator] = None,
+) -> Request:
+    """torch.distributed.irecv's signature: posts a receive into `tensor` from global rank `src`
+    (or `group_src` within `group`). There is no wildcard source: `src` is required."""
+    c = _resolve(group, comm, tag, "irecv")
+    return c.irecv(tensor, _peer(c, src, group_src, ("src", "group_src")))
+
+
+def _is_send_op(op: Callable[..., Any]) -> bool:
+    if op is isend or op is dist.isend:
+        return True
+    if op is irecv or op is dist.irecv:
+        return False
+    raise ValueError(f"P2POp's op must be isend or irecv (megatron_p2p's or torch.distributed's), got {op!r}")
 
 
 class P2POp:
-    """One op for batch_isend_irecv: `op` is megatron_p2p.isend or megatron_p2p.irecv."""
+    """One op for batch_isend_irecv, with torch.distributed.P2POp's signature. `op` is
+    megatron_p2p's or torch.distributed's isend / irecv."""
 
-    __slots__ = ("op", "tensor", "peer", "comm")
+    __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer", "comm", "is_send")
 
-    def __init__(self, op: Callable[..., Request], tensor: torch.Tensor, peer: int, *, comm: _C.Communicator):
-        if op is not isend and op is not irecv:
-            raise ValueError(f"P2POp's op must be megatron_p2p.isend or megatron_p2p.irecv, got {op!r}")
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        tensor: torch.Tensor,
+        peer: Optional[int] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        tag: int = 0,
+        group_peer: Optional[int] = None,
+        *,
+        comm: Optional[Communicator] = None,
+    ):
+        self.is_send = _is_send_op(op)
         self.op = op
         self.tensor = tensor
-        self.peer = peer
-        self.comm = comm
+        self.group = group
+        self.tag = tag
+        self.comm = _resolve(group, comm, tag, "P2POp")
+        self.group_peer = group_peer
+        self.peer = _peer(self.comm, peer, group_peer, ("peer", "group_peer"))
 
     def __repr__(self) -> str:
-        return f"P2POp({self.op.__name__}, peer={self.peer}, shape={tuple(self.tensor.shape)})"
+        kind = "isend" if self.is_send else "irecv"
+        return f"P2POp({kind}, peer={self.peer}, shape={tuple(self.tensor.shape)})"
 
 
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Request]:
-    """Posts every op as one group: they progress together, so their order cannot deadlock."""
+    """Posts every op as one group: they progress together, so their order cannot deadlock.
+    Returns one Request per op, in list order."""
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv needs at least one P2POp")
-    comm = p2p_op_list[0].comm
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):
-            raise TypeError(f"p2p_op_list[{i}] must be a P2POp, not {type(p).__name__}")
-        if p.comm is not comm:
-            raise ValueError("every P2POp in one batch must use the same communicator")
-    return comm.batch([(p.op is isend, p.tensor, p.peer) for p in p2p_op_list])
+            raise TypeError(f"p2p_op_list[{i}] must be a megatron_p2p P2POp, not {type(p).__name__}")
+    comm = p2p_op_list[0].comm
+    if any(p.comm is not comm for p in p2p_op_list):
+        raise ValueError("every P2POp in one batch must use the same communicator")
+    return comm.batch([(p.is_send, p.tensor, p.peer) for p in p2p_op_list])

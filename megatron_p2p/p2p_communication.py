@@ -1,0 +1,670 @@
+"""megatron-core's pipeline point-to-point surface over megatron_p2p communicators.
+
+- `P2PCommunicator(pp_group, config)`: megatron-core 0.14+'s class (0.19.2 checked by the
+  tests): same attributes, properties, methods, parameters, return values, receive buffers and
+  errors; extra keyword-only options pick the backend, mode, timeout and lanes.
+- `_p2p_ops` / `_batched_p2p_ops`, `is_single_shape`, `Shape`.
+- The module-level functions of megatron-core <= 0.12 (`recv_forward(tensor_shape, config)`)
+  and 0.13 (the same with a trailing `is_first_stage` / `is_last_stage`): one function serves
+  both; without the flag the stage comes from megatron-core's `parallel_state`.
+
+What differs from megatron-core, on purpose:
+- activations and gradients never cross, also with 2 pipeline ranks (its batched order and its
+  shape exchange swap them there);
+- with variable sequence lengths the shape exchange runs in the chosen mode without a
+  device-wide synchronize, and announces the dtype, so a disagreement raises MismatchError
+  naming both ranks instead of reinterpreting bytes;
+- `batch_p2p_sync` is honoured on CUDA but not needed: stream order makes it safe to turn off;
+- `send_forward_recv_backward` / `send_backward_recv_forward` take `overlap_p2p_comm=True`
+  (keyword-only) and then return `(tensor, handles)`;
+- `overlap_p2p_comm=True` also works in batched mode, where megatron-core asserts.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .communicator import init_communicator
+from .ops import find_communicator, get_communicator, group_ranks, register_communicator
+
+logger = logging.getLogger(__name__)
+
+Shape = Union[List[int], torch.Size]
+
+MODES = ("parity", "batched")
+
+# Shape header of the variable-sequence-length exchange: ndim, up to _MAX_DIMS sizes, dtype code.
+_MAX_DIMS = 6
+_HEADER_WORDS = _MAX_DIMS + 2
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
+_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPE_CODE[getattr(torch, _name)] = len(_DTYPES)
+        _DTYPES.append(getattr(torch, _name))
+_UNKNOWN_DTYPE = -1
+
+
+def is_single_shape(x: Any) -> bool:
+    """True for one shape (a torch.Size, or a non-empty list / tuple of ints), False for a
+    list of shapes."""
+    if isinstance(x, torch.Size):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(d, int) for d in x)
+
+
+# ---- megatron-core's op helpers --------------------------------------------------------------
+
+
+def _exchange_for(
+    mode: str,
+    tensor_send_prev: Optional[torch.Tensor],
+    tensor_recv_prev: Optional[torch.Tensor],
+    tensor_send_next: Optional[torch.Tensor],
+    tensor_recv_next: Optional[torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+    prev_pipeline_rank: int,
+    next_pipeline_rank: int,
+) -> dict[str, _C.Request]:
+    comm = get_communicator(group)
+    return comm.exchange(send_next=tensor_send_next, recv_prev=tensor_recv_prev, send_prev=tensor_send_prev,
+                         recv_next=tensor_recv_next, mode=mode, prev_rank=prev_pipeline_rank,
+                         next_rank=next_pipeline_rank)
+
+
+def _p2p_ops(
+    *,
+    tensor_send_prev: Optional[torch.Tensor],
+    tensor_recv_prev: Optional[torch.Tensor],
+    tensor_send_next: Optional[torch.Tensor],
+    tensor_recv_next: Optional[torch.Tensor],
+    group: dist.ProcessGroup,
+    prev_pipeline_rank: int,
+    next_pipeline_rank: int,
+):
+    """megatron-core's `_p2p_ops`: the posted ops in parity order, as a dict of requests keyed
+    send_next / recv_prev / send_prev / recv_next. `group`'s communicator must exist
+    (`init_communicator(group)`); ranks are global."""
+    return _exchange_for("parity", tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                         prev_pipeline_rank, next_pipeline_rank)
+
+
+def _batched_p2p_ops(
+    *,
+    tensor_send_prev: Optional[torch.Tensor],
+    tensor_recv_prev: Optional[torch.Tensor],
+    tensor_send_next: Optional[torch.Tensor],
+    tensor_recv_next: Optional[torch.Tensor],
+    group: dist.ProcessGroup,
+    prev_pipeline_rank: int,
+    next_pipeline_rank: int,
+):
+    """megatron-core's `_batched_p2p_ops`: the posted ops as groups, as a list of requests
+    (send_prev, recv_prev, send_next, recv_next order; [] when nothing is posted). Unlike
+    megatron-core's, the pairing is right with 2 pipeline ranks."""
+    reqs = _exchange_for("batched", tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                         prev_pipeline_rank, next_pipeline_rank)
+    return [reqs[k] for k in ("send_prev", "recv_prev", "send_next", "recv_next") if k in reqs]
+
+
+# ---- the class ------------------------------------------------------------------------------
+
+
+class _Span:
+    """megatron-core's timer calls (`timers(name, log_level=2).start()` then
+    `timers(name).stop()`), plus an NVTX range when CUDA is in use."""
+
+    __slots__ = ("timers", "name", "nvtx")
+
+    def __init__(self, timers: Any, name: str, nvtx: bool):
+        self.timers, self.name, self.nvtx = timers, name, nvtx
+
+    def __enter__(self) -> None:
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(f"megatron_p2p.{self.name}")
+        if self.timers is not None:
+            self.timers(self.name, log_level=2).start()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.timers is not None:
+            self.timers(self.name).stop()
+        if self.nvtx:
+            torch.cuda.nvtx.range_pop()
+
+
+class P2PCommunicator:
+    """megatron-core's P2PCommunicator over a megatron_p2p communicator.
+
+    Constructing it is collective over `pp_group` when no communicator spans the group yet: it
+    then creates one (and registers it, so later instances over the group reuse it). `config`
+    is duck-typed: megatron-core's ModelParallelConfig or any object with its fields.
+
+    Keyword-only options (not in megatron-core):
+      backend: "shm" (CPU tensors) or what init_communicator accepts; default "shm".
+      mode: "parity" or "batched"; default follows config.batch_p2p_comm (batched if true).
+      timeout: seconds any wait may block; default 300.
+      lanes: 2 (activations and gradients on independent queues, the default) or 1.
+      comm: an existing communicator over exactly pp_group's ranks.
+    """
+
+    def __init__(
+        self,
+        pp_group: dist.ProcessGroup,
+        config: Any,
+        *,
+        backend: Optional[str] = None,
+        mode: Optional[str] = None,
+        timeout: Optional[float] = None,
+        lanes: Optional[int] = None,
+        comm: Optional[_C.Communicator] = None,
+    ):
+        self.pp_group = pp_group
+        self.config = config
+        ranks = group_ranks(pp_group)
+        if comm is None:
+            comm = self._find_or_create(pp_group, ranks, backend, timeout, lanes)
+        elif tuple(comm.ranks) != ranks:
+            raise ValueError(f"comm spans global ranks {list(comm.ranks)}, pp_group spans {list(ranks)}")
+        if mode is None:
+            mode = "batched" if getattr(config, "batch_p2p_comm", True) else "parity"
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.comm: _C.Communicator = comm
+        self.mode: str = mode
+        me = ranks.index(dist.get_rank())
+        self.next_rank: int | None = ranks[(me + 1) % len(ranks)]
+        self.prev_rank: int | None = ranks[(me - 1) % len(ranks)]
+        self.virtual_pipeline_model_parallel_size = getattr(config, "virtual_pipeline_model_parallel_size", None)
+        self._rank_in_group = me
+        self._size = len(ranks)
+        self._cuda = comm.backend != "shm"
+        logger.debug("P2PCommunicator: global rank %d, stage %d of %d (ranks %s), mode %s, backend %s, %d lane(s)",
+                    ranks[me], me, len(ranks), list(ranks), mode, comm.backend, comm.lanes)
+
+    @staticmethod
+    def _find_or_create(
+        pp_group: dist.ProcessGroup,
+        ranks: tuple[int, ...],
+        backend: Optional[str],
+        timeout: Optional[float],
+        lanes: Optional[int],
+    ) -> _C.Communicator:
+        comm = find_communicator(ranks)
+        if comm is None:
+            logger.info("creating a %s communicator over global ranks %s", backend or "shm", list(ranks))
+            comm = init_communicator(pp_group, backend or "shm", 300.0 if timeout is None else timeout,
+                                     lanes=2 if lanes is None else lanes)
+            return register_communicator(comm)
+        wanted = {"backend": backend, "timeout": timeout, "lanes": lanes}
+        clash = {k: (v, getattr(comm, k)) for k, v in wanted.items() if v is not None and v != getattr(comm, k)}
+        if clash:
+            raise ValueError(
+                f"the communicator over global ranks {list(ranks)} already exists with "
+                + ", ".join(f"{k}={have!r}" for k, (_, have) in clash.items())
+                + "; asked for " + ", ".join(f"{k}={want!r}" for k, (want, _) in clash.items())
+            )
+        return comm
+
+    # -- megatron-core's properties --
+
+    @property
+    def is_pp_first_stage(self) -> bool:
+        """True on the first pipeline stage."""
+        return self._rank_in_group == 0
+
+    @property
+    def is_pp_last_stage(self) -> bool:
+        """True on the last pipeline stage."""
+        return self._rank_in_group == self._size - 1
+
+    @property
+    def total_stages(self) -> int:
+        """Pipeline stages (the group's size)."""
+        return self._size
+
+    @property
+    def current_stage(self) -> int:
+        """This rank's stage, from 0."""
+        return self._rank_in_group
+
+    # -- the exchange --
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self._cuda else torch.device("cpu")
+
+    def _span(self, name: str) -> _Span:
+        return _Span(getattr(self.config, "timers", None), name, self._cuda)
+
+    def _exchange(self, **ops: Optional[torch.Tensor]) -> dict[str, _C.Request]:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("exchange (%s): %s", self.mode,
+                         ", ".join(f"{k} {tuple(v.shape)}" for k, v in ops.items() if v is not None))
+        return self.comm.exchange(mode=self.mode, **ops)
+
+    def _exchange_headers(
+        self,
+        tensor_send_next: Optional[torch.Tensor],
+        tensor_send_prev: Optional[torch.Tensor],
+        recv_prev: bool,
+        recv_next: bool,
+        wait_sends: bool = True,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], list[_C.Request]]:
+        """Sends each outgoing tensor's shape and dtype, in this communicator's mode, and returns
+        the headers received (None where nothing was received) and the header sends still in
+        flight (none when wait_sends)."""
+        def header(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            if t.dim() > _MAX_DIMS:
+                raise ValueError(f"variable_seq_lengths carries shapes of at most {_MAX_DIMS} dims, got {tuple(t.shape)}")
+            words = [t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim())), _DTYPE_CODE.get(t.dtype, _UNKNOWN_DTYPE)]
+            return torch.tensor(words, dtype=torch.int64, device=self._device())
+
+        def slot(wanted: bool) -> Optional[torch.Tensor]:
+            return torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) if wanted else None
+
+        got_prev, got_next = slot(recv_prev), slot(recv_next)
+        reqs = self._exchange(send_next=header(tensor_send_next), recv_prev=got_prev,
+                              send_prev=header(tensor_send_prev), recv_next=got_next)
+        sends = [reqs.pop(k) for k in ("send_next", "send_prev") if k in reqs]
+        for r in reqs.values():
+            r.wait()
+        if wait_sends:
+            for r in sends:
+                r.wait()
+            sends = []
+        return got_prev, got_next, sends
+
+    def _decode(self, header: Optional[torch.Tensor], peer: Optional[int]) -> tuple[list[int], Optional[torch.dtype]]:
+        if header is None:
+            return [0, 0, 0], None
+        words = header.tolist()
+        ndim, code = words[0], words[-1]
+        dims = words[1:1 + ndim] if 0 <= ndim <= _MAX_DIMS else []
+        if not 0 <= ndim <= _MAX_DIMS or any(d < 0 for d in dims) or not -1 <= code < len(_DTYPES):
+            raise _C.MismatchError(
+                f"rank {dist.get_rank()}: the shape header from rank {peer} is malformed ({words}); both ranks must "
+                "run megatron_p2p with the same variable_seq_lengths setting"
+            )
+        return dims, (_DTYPES[code] if code >= 0 else None)
+
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        """megatron-core's shape exchange: returns (recv_prev_shape, recv_next_shape), each the
+        peer's tensor shape as a list, or [0, 0, 0] where nothing is received. Runs in this
+        communicator's mode, with no device-wide synchronize."""
+        got_prev, got_next, _ = self._exchange_headers(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+        return self._decode(got_prev, self.prev_rank)[0], self._decode(got_next, self.next_rank)[0]
+
+    def _check_dtype(self, announced: Optional[torch.dtype], peer: Optional[int], what: str) -> Optional[str]:
+        want = self.config.pipeline_dtype
+        if announced is None or want is None or announced == want:
+            return None
+        return (f"rank {dist.get_rank()}'s {what} expects {want} (config.pipeline_dtype) but rank {peer} "
+                f"sends {announced}")
+
+    def _communicate(
+        self,
+        *,
+        tensor_send_next: Optional[torch.Tensor],
+        tensor_send_prev: Optional[torch.Tensor],
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: Shape,
+        wait_on_reqs: bool = True,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's `_communicate`: returns (tensor_recv_prev, tensor_recv_next, reqs).
+        Received tensors are fresh `torch.empty(..., requires_grad=True)` of
+        config.pipeline_dtype (None where not received). reqs: None once waited on; with
+        wait_on_reqs=False the dict of posted requests keyed by op name; an empty list (batched)
+        or dict (parity) when nothing was posted."""
+        config = self.config
+        variable = bool(getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False))
+        # megatron-core checks these after its shape exchange; before it, nothing is posted yet.
+        for wanted, name in ((recv_prev, "recv_prev"), (recv_next, "recv_next")):
+            if wanted and config.pipeline_dtype is None:
+                raise RuntimeError(f"{name} needs a dtype: set config.pipeline_dtype")
+            if wanted and tensor_shape is None:
+                raise RuntimeError(
+                    f"{name} needs tensor_shape, e.g. (seq_length, micro_batch_size, hidden_size)"
+                )
+        prev_dtype = next_dtype = None
+        header_sends: list[_C.Request] = []
+        if variable:
+            # Header sends are not waited for here: a blocking round of its own, before the data,
+            # deadlocks megatron-core's interleaved schedule under rendezvous (gloo does, too).
+            # They precede the data on their lane, so they complete before it.
+            got_prev, got_next, header_sends = self._exchange_headers(
+                tensor_send_next, tensor_send_prev, recv_prev, recv_next, wait_sends=False)
+            prev_shape, prev_dtype = self._decode(got_prev, self.prev_rank)
+            next_shape, next_dtype = self._decode(got_next, self.next_rank)
+        else:
+            prev_shape = next_shape = tensor_shape
+
+        problems = [p for p in (self._check_dtype(prev_dtype, self.prev_rank, "recv_prev") if recv_prev else None,
+                                self._check_dtype(next_dtype, self.next_rank, "recv_next") if recv_next else None)
+                    if p]
+        device = self._device()
+
+        def buffer(wanted: bool, shape: Any, announced: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+            if not wanted:
+                return None
+            # On a dtype disagreement, take the peer's message as it is sent (so it does not hang),
+            # then raise.
+            dtype = announced if problems and announced is not None else config.pipeline_dtype
+            return torch.empty(shape, requires_grad=True, device=device, dtype=dtype)
+
+        tensor_recv_prev = buffer(recv_prev, prev_shape, prev_dtype)
+        tensor_recv_next = buffer(recv_next, next_shape, next_dtype)
+        reqs: Any = self._exchange(send_next=tensor_send_next, recv_prev=tensor_recv_prev,
+                                   send_prev=tensor_send_prev, recv_next=tensor_recv_next)
+        if problems:
+            for r in [*header_sends, *reqs.values()]:
+                r.wait()
+            raise _C.MismatchError("shape exchange: " + "; ".join(problems))
+        if wait_on_reqs:
+            for r in header_sends:  # first: one the peer refused fails here, not as a hang below
+                r.wait()
+        if not reqs:
+            reqs = [] if self.mode == "batched" and wait_on_reqs else {}
+        elif wait_on_reqs:
+            for r in reqs.values():
+                r.wait()
+            reqs = None
+        if self._cuda and self.mode == "batched" and getattr(config, "batch_p2p_sync", True):
+            # Honoured for parity with megatron-core; stream order already makes it unnecessary.
+            torch.cuda.synchronize()
+        return tensor_recv_prev, tensor_recv_next, reqs
+
+    # -- megatron-core's nine methods --
+
+    def _recv_each(self, tensor_shapes, skip: bool, timer: str, prev: bool):
+        single = is_single_shape(tensor_shapes)
+        shapes = [tensor_shapes] if single else tensor_shapes
+        out = []
+        for shape in shapes:
+            if skip:
+                out.append(None)
+                continue
+            with self._span(timer):
+                recv_p, recv_n, _ = self._communicate(tensor_send_next=None, tensor_send_prev=None, recv_prev=prev,
+                                                      recv_next=not prev, tensor_shape=shape)
+            out.append(recv_p if prev else recv_n)
+        return out[0] if single else out
+
+    def recv_forward(self, tensor_shapes, is_first_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
+        """Receives activations from the previous stage: one tensor per shape (a single tensor
+        for a single shape), None on the first stage."""
+        return self._recv_each(tensor_shapes, is_first_stage, "forward-recv", prev=True)
+
+    def recv_backward(self, tensor_shapes, is_last_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
+        """Receives gradients from the next stage: one tensor per shape (a single tensor for a
+        single shape), None on the last stage."""
+        return self._recv_each(tensor_shapes, is_last_stage, "backward-recv", prev=False)
+
+    def _send_each(self, tensors, skip: bool, timer: str, forward: bool) -> None:
+        for t in tensors if isinstance(tensors, list) else [tensors]:
+            if skip:
+                continue
+            with self._span(timer):
+                self._communicate(tensor_send_next=t if forward else None, tensor_send_prev=None if forward else t,
+                                  recv_prev=False, recv_next=False, tensor_shape=None)
+
+    def send_forward(self, output_tensors, is_last_stage: bool) -> None:
+        """Sends activations (a tensor or a list) to the next stage; nothing on the last stage."""
+        self._send_each(output_tensors, is_last_stage, "forward-send", forward=True)
+
+    def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
+        """Sends gradients (a tensor or a list) to the previous stage; nothing on the first stage."""
+        self._send_each(input_tensor_grads, is_first_stage, "backward-send", forward=False)
+
+    def _send_recv_each(self, tensors, tensor_shapes, skip: bool, timer: str, forward: bool, overlap: bool):
+        single = not isinstance(tensors, list)
+        tensors = [tensors] if single else tensors
+        shapes = tensor_shapes if isinstance(tensor_shapes, list) else [tensor_shapes]
+        received, handles = [], []
+        for t, shape in zip(tensors, shapes):
+            if skip:
+                received.append(None)
+                handles.append({})
+                continue
+            with self._span(timer):
+                recv_p, recv_n, reqs = self._communicate(
+                    tensor_send_next=t if forward else None, tensor_send_prev=None if forward else t,
+                    recv_prev=not forward, recv_next=forward, tensor_shape=shape, wait_on_reqs=not overlap)
+            received.append(recv_n if forward else recv_p)
+            handles.append(reqs)
+        if overlap:
+            return (received[0], handles[0]) if single else (received, handles)
+        return received[0] if single else received
+
+    def send_forward_recv_backward(
+        self, output_tensors, tensor_shapes, is_last_stage: bool, *, overlap_p2p_comm: bool = False
+    ) -> Union[torch.Tensor, list[torch.Tensor]]:
+        """Sends activations to the next stage and receives its gradients (None on the last
+        stage). With overlap_p2p_comm=True (an addition to megatron-core) returns
+        (gradients, handles) without waiting; handles is a dict keyed by op name (a list of
+        them for a list of tensors)."""
+        return self._send_recv_each(output_tensors, tensor_shapes, is_last_stage, "forward-send-backward-recv",
+                                    forward=True, overlap=overlap_p2p_comm)
+
+    def send_backward_recv_forward(
+        self, input_tensor_grads, tensor_shapes, is_first_stage: bool, *, overlap_p2p_comm: bool = False
+    ) -> Union[torch.Tensor, list[torch.Tensor]]:
+        """Sends gradients to the previous stage and receives its next activations (None on the
+        first stage). overlap_p2p_comm=True returns (activations, handles), as above."""
+        return self._send_recv_each(input_tensor_grads, tensor_shapes, is_first_stage, "backward-send-forward-recv",
+                                    forward=False, overlap=overlap_p2p_comm)
+
+    def send_forward_recv_forward(
+        self,
+        output_tensor: torch.Tensor,
+        recv_prev: bool,
+        tensor_shape: Shape,
+        overlap_p2p_comm: bool = False,
+    ) -> torch.Tensor:
+        """Sends activations to the next stage and, if recv_prev, receives the previous stage's.
+        overlap_p2p_comm=True returns (tensor, handles) without waiting."""
+        with self._span("forward-send-forward-recv"):
+            got, _, handles = self._communicate(tensor_send_next=output_tensor, tensor_send_prev=None,
+                                                recv_prev=recv_prev, recv_next=False, tensor_shape=tensor_shape,
+                                                wait_on_reqs=not overlap_p2p_comm)
+        return (got, handles) if overlap_p2p_comm else got
+
+    def send_backward_recv_backward(
+        self,
+        input_tensor_grad: torch.Tensor,
+        recv_next: bool,
+        tensor_shape: Shape,
+        overlap_p2p_comm: bool = False,
+    ) -> torch.Tensor:
+        """Sends gradients to the previous stage and, if recv_next, receives the next stage's.
+        overlap_p2p_comm=True returns (tensor, handles) without waiting."""
+        with self._span("backward-send-backward-recv"):
+            _, got, handles = self._communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad,
+                                                recv_prev=False, recv_next=recv_next, tensor_shape=tensor_shape,
+                                                wait_on_reqs=not overlap_p2p_comm)
+        return (got, handles) if overlap_p2p_comm else got
+
+    def send_forward_backward_recv_forward_backward(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor_grad: torch.Tensor,
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: Shape,
+    ) -> torch.Tensor:
+        """Both directions at once: returns (input_tensor, output_tensor_grad)."""
+        with self._span("forward-backward-send-forward-backward-recv"):
+            got_prev, got_next, _ = self._communicate(tensor_send_next=output_tensor,
+                                                      tensor_send_prev=input_tensor_grad, recv_prev=recv_prev,
+                                                      recv_next=recv_next, tensor_shape=tensor_shape)
+        return got_prev, got_next
+
+
+# ---- megatron-core <= 0.13's module-level functions --------------------------------------------
+
+
+def _legacy(config: Any) -> P2PCommunicator:
+    """A P2PCommunicator over megatron-core's pipeline group; its communicator must exist."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError as exc:
+        raise RuntimeError(
+            "the module-level p2p functions read the pipeline group from megatron.core.parallel_state; install "
+            "megatron-core, or use megatron_p2p.P2PCommunicator(pp_group, config)"
+        ) from exc
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if isinstance(group, list):
+        if len(group) != 1:
+            raise NotImplementedError("several pipeline groups per rank (encoder/decoder pipelines) are not supported")
+        group = group[0]
+    return P2PCommunicator(group, config, comm=get_communicator(group))
+
+
+def _stage(flag: Optional[bool], first: bool) -> bool:
+    if flag is not None:
+        return flag
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_first_stage() if first else parallel_state.is_pipeline_last_stage()
+
+
+def _communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next, config):
+    """megatron-core <= 0.13's module-level shape exchange."""
+    return _legacy(config)._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+
+
+def _communicate(
+    *,
+    tensor_send_next: Optional[torch.Tensor],
+    tensor_send_prev: Optional[torch.Tensor],
+    recv_prev: bool,
+    recv_next: bool,
+    tensor_shape: Shape,
+    config: Any,
+    wait_on_reqs: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core <= 0.13's module-level `_communicate` (returns the same 3-tuple)."""
+    return _legacy(config)._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                                        recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
+                                        wait_on_reqs=wait_on_reqs)
+
+
+@contextlib.contextmanager
+def _legacy_span(config: Any, name: str) -> Iterator[None]:
+    with _Span(getattr(config, "timers", None), name, False):
+        yield
+
+
+def _legacy_call(config: Any, timer: str, **kw: Any):
+    with _legacy_span(config, timer):
+        return _legacy(config)._communicate(**kw)
+
+
+def recv_forward(tensor_shape: Shape, config: Any, is_first_stage: Optional[bool] = None) -> torch.Tensor:
+    """Receives activations from the previous stage (None on the first stage)."""
+    if _stage(is_first_stage, first=True):
+        return None
+    return _legacy_call(config, "forward-recv", tensor_send_next=None, tensor_send_prev=None, recv_prev=True,
+                        recv_next=False, tensor_shape=tensor_shape)[0]
+
+
+def recv_backward(tensor_shape: Shape, config: Any, is_last_stage: Optional[bool] = None) -> torch.Tensor:
+    """Receives gradients from the next stage (None on the last stage)."""
+    if _stage(is_last_stage, first=False):
+        return None
+    return _legacy_call(config, "backward-recv", tensor_send_next=None, tensor_send_prev=None, recv_prev=False,
+                        recv_next=True, tensor_shape=tensor_shape)[1]
+
+
+def send_forward(output_tensor: torch.Tensor, config: Any, is_last_stage: Optional[bool] = None) -> None:
+    """Sends activations to the next stage (nothing on the last stage)."""
+    if not _stage(is_last_stage, first=False):
+        _legacy_call(config, "forward-send", tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=False,
+                     recv_next=False, tensor_shape=None)
+
+
+def send_backward(input_tensor_grad: torch.Tensor, config: Any, is_first_stage: Optional[bool] = None) -> None:
+    """Sends gradients to the previous stage (nothing on the first stage)."""
+    if not _stage(is_first_stage, first=True):
+        _legacy_call(config, "backward-send", tensor_send_next=None, tensor_send_prev=input_tensor_grad,
+                     recv_prev=False, recv_next=False, tensor_shape=None)
+
+
+def send_forward_recv_backward(
+    output_tensor: torch.Tensor, tensor_shape: Shape, config: Any, is_last_stage: Optional[bool] = None
+) -> torch.Tensor:
+    """Sends activations to the next stage and receives its gradients (None on the last stage)."""
+    if _stage(is_last_stage, first=False):
+        return None
+    return _legacy_call(config, "forward-send-backward-recv", tensor_send_next=output_tensor, tensor_send_prev=None,
+                        recv_prev=False, recv_next=True, tensor_shape=tensor_shape)[1]
+
+
+def send_backward_recv_forward(
+    input_tensor_grad: torch.Tensor, tensor_shape: Shape, config: Any, is_first_stage: Optional[bool] = None
+) -> torch.Tensor:
+    """Sends gradients to the previous stage and receives its activations (None on the first stage)."""
+    if _stage(is_first_stage, first=True):
+        return None
+    return _legacy_call(config, "backward-send-forward-recv", tensor_send_next=None,
+                        tensor_send_prev=input_tensor_grad, recv_prev=True, recv_next=False,
+                        tensor_shape=tensor_shape)[0]
+
+
+def send_forward_recv_forward(
+    output_tensor: torch.Tensor,
+    recv_prev: bool,
+    tensor_shape: Shape,
+    config: Any,
+    overlap_p2p_comm: bool = False,
+) -> torch.Tensor:
+    """Sends activations forward and optionally receives the previous stage's;
+    overlap_p2p_comm=True returns (tensor, handles)."""
+    got, _, handles = _legacy_call(config, "forward-send-forward-recv", tensor_send_next=output_tensor,
+                                   tensor_send_prev=None, recv_prev=recv_prev, recv_next=False,
+                                   tensor_shape=tensor_shape, wait_on_reqs=not overlap_p2p_comm)
+    return (got, handles) if overlap_p2p_comm else got
+
+
+def send_backward_recv_backward(
+    input_tensor_grad: torch.Tensor,
+    recv_next: bool,
+    tensor_shape: Shape,
+    config: Any,
+    overlap_p2p_comm: bool = False,
+) -> torch.Tensor:
+    """Sends gradients backward and optionally receives the next stage's;
+    overlap_p2p_comm=True returns (tensor, handles)."""
+    _, got, handles = _legacy_call(config, "backward-send-backward-recv", tensor_send_next=None,
+                                   tensor_send_prev=input_tensor_grad, recv_prev=False, recv_next=recv_next,
+                                   tensor_shape=tensor_shape, wait_on_reqs=not overlap_p2p_comm)
+    return (got, handles) if overlap_p2p_comm else got
+
+
+def send_forward_backward_recv_forward_backward(
+    output_tensor: torch.Tensor,
+    input_tensor_grad: torch.Tensor,
+    recv_prev: bool,
+    recv_next: bool,
+    tensor_shape: Shape,
+    config: Any,
+) -> torch.Tensor:
+    """Both directions at once: returns (input_tensor, output_tensor_grad)."""
+    got_prev, got_next, _ = _legacy_call(config, "forward-backward-send-forward-backward-recv",
+                                         tensor_send_next=output_tensor, tensor_send_prev=input_tensor_grad,
+                                         recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape)
+    return got_prev, got_next
+
+
+LEGACY_FUNCTIONS = (
+    "recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
+    "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
+    "send_forward_backward_recv_forward_backward",
+)
