@@ -19,7 +19,7 @@ typedef struct {
     PyObject *BackendUnavailableError;
     PyObject *tensor_type;   /* torch.Tensor */
     PyObject *dtype_codes;   /* {torch.dtype: mp_dtype code} */
-    PyObject *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
+    PyObject *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_untyped_storage, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;
 } mp_state;
@@ -51,7 +51,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     CommObject *comm;  /* strong */
-    PyObject *tensor;  /* strong: the buffer the transport reads or writes */
+    PyObject *tensor;  /* strong: what the caller passed */
+    PyObject *storage; /* strong: the memory itself, which outlives a `tensor.data = ...` swap */
     mp_op op;
 } RequestObject;
 

@@ -149,6 +149,7 @@ static int module_exec(PyObject *mod)
     INTERN(str_is_cpu, "is_cpu")
     INTERN(str_is_cuda, "is_cuda")
     INTERN(str_get_device, "get_device")
+    INTERN(str_untyped_storage, "untyped_storage")
     INTERN(str_is_contiguous, "is_contiguous")
     INTERN(str_nbytes, "nbytes")
     INTERN(str_data_ptr, "data_ptr")
@@ -201,6 +202,7 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->str_is_cpu);
     Py_CLEAR(st->str_is_cuda);
     Py_CLEAR(st->str_get_device);
+    Py_CLEAR(st->str_untyped_storage);
     Py_CLEAR(st->str_is_contiguous);
     Py_CLEAR(st->str_nbytes);
     Py_CLEAR(st->str_data_ptr);

@@ -10,9 +10,17 @@
 
 RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffer *buf)
 {
-    RequestObject *req = PyObject_New(RequestObject, comm->state->RequestType);
-    if (!req)
+    /* Megatron's deallocate_output_tensor swaps `out.data` while its send may be in flight
+     * (Megatron-LM PR #4047): holding the storage keeps the bytes being sent alive. */
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, comm->state->str_untyped_storage);
+    if (!storage)
         return NULL;
+    RequestObject *req = PyObject_New(RequestObject, comm->state->RequestType);
+    if (!req) {
+        Py_DECREF(storage);
+        return NULL;
+    }
+    req->storage = storage;
     memset(&req->op, 0, sizeof req->op);
     Py_INCREF(comm);
     req->comm = comm;
@@ -28,6 +36,7 @@ static void request_dealloc(RequestObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     Py_XDECREF(self->tensor);
+    Py_XDECREF(self->storage);
     Py_XDECREF(self->comm);
     PyObject_Free(self);
     Py_DECREF(tp);

@@ -102,29 +102,37 @@ def bad_input(torch, mp, comm):
 
 
 def lifetime(torch, mp, comm):
-    """Rank 0 posts a send and keeps nothing; it frees and reuses the memory while rank 1 waits
-    before posting its receive. Lane 0 runs in order, so rank 0's ack receive ends after the send."""
+    """Rank 0 posts a send and keeps nothing, or keeps the tensor but swaps its storage away
+    (`t.data = ...`, as megatron-core's deallocate_output_tensor does); it frees and reuses the
+    memory while rank 1 waits before posting its receive. Lane 0 runs in order, so rank 0's ack
+    receive ends after the send."""
     peer = comm.next_rank
     out = {}
-    for nbytes in (4096, 8 << 20):
+    for nbytes, how in ((4096, "dropped"), (8 << 20, "dropped"), (8 << 20, "swapped")):
         def pattern():
             return (torch.arange(nbytes, dtype=torch.int32) % 251).to(torch.uint8)
 
+        key = f"{nbytes}-{how}"
         if comm.rank == 0:
-            comm.isend(pattern(), peer)  # neither the tensor nor the Request is kept
+            sent = pattern()
+            comm.isend(sent, peer)  # the Request is not kept
+            if how == "swapped":
+                sent.data = torch.empty(1, dtype=torch.uint8)
+            else:
+                del sent
             gc.collect()
             junk = [torch.full((nbytes,), 0xEE, dtype=torch.uint8) for _ in range(8)]
             ack = torch.zeros(1, dtype=torch.int64)
             comm.irecv(ack, peer).wait()
             del junk
-            out[str(nbytes)] = {"ack": int(ack)}
+            out[key] = {"ack": int(ack)}
         else:
             time.sleep(1.0)
             got = torch.zeros(nbytes, dtype=torch.uint8)
             comm.irecv(got, peer).wait()
             want = pattern()
-            out[str(nbytes)] = {"exact": torch.equal(got, want), "wrong_bytes": int((got != want).sum()),
-                                "single_copy": comm.single_copy(peer)}
+            out[key] = {"exact": torch.equal(got, want), "wrong_bytes": int((got != want).sum()),
+                        "single_copy": comm.single_copy(peer)}
             comm.isend(torch.ones(1, dtype=torch.int64), peer).wait()
     return out
 
