@@ -13,6 +13,7 @@ typedef struct mp_cu_event_opaque *mp_CUevent;
 typedef unsigned long long mp_CUdeviceptr;
 
 #define MP_CUDA_SUCCESS 0
+#define MP_CUDA_ERROR_OUT_OF_MEMORY 2
 #define MP_CUDA_ERROR_NOT_READY 600
 #define MP_CU_EVENT_DISABLE_TIMING 0x2u
 #define MP_CU_STREAM_NON_BLOCKING 0x1u

@@ -180,6 +180,15 @@ static void abort_locked(nccl_t *n, mp_result cause, int rank, const char *detai
     fail_all(n, cause, n->cause_detail);
 }
 
+/* A failed CUDA call on the device path: nothing posted after it could complete. Lock held. */
+static mp_result fail_cuda(nccl_t *n, const char *what, mp_CUresult r)
+{
+    char detail[256];
+    snprintf(detail, sizeof detail, "%s: %s", what, cu_error(n, r));
+    abort_locked(n, MP_ERR_SYSTEM, n->base.rank, detail);
+    return MP_ERR_SYSTEM;
+}
+
 /* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. */
 static mp_ncclResult_t settle(nccl_t *n, mp_ncclComm_t comm, double deadline)
 {
@@ -207,9 +216,7 @@ static void progress_locked(nccl_t *n)
             if (r == MP_CUDA_ERROR_NOT_READY)
                 break;
             if (r != MP_CUDA_SUCCESS) {
-                char detail[200];
-                snprintf(detail, sizeof detail, "CUDA reported an error on lane %d's stream: %s", l, cu_error(n, r));
-                abort_locked(n, MP_ERR_SYSTEM, n->base.rank, detail);
+                fail_cuda(n, "CUDA reported an error on a lane's stream", r);
                 return;
             }
             lane->head = f->next;
@@ -280,12 +287,8 @@ static mp_result nccl_begin(mp_transport *t, void *stream)
         for (int l = 0; r == MP_CUDA_SUCCESS && l < t->nlanes; l++)
             r = n->cu->StreamWaitEvent(n->lanes[l].stream, n->ready, 0);
         leave(n, saved);
-        if (r != MP_CUDA_SUCCESS) {
-            char detail[200];
-            snprintf(detail, sizeof detail, "ordering the lanes after the caller's stream failed: %s", cu_error(n, r));
-            abort_locked(n, MP_ERR_SYSTEM, t->rank, detail);
-            res = MP_ERR_SYSTEM;
-        }
+        if (r != MP_CUDA_SUCCESS)
+            res = fail_cuda(n, "ordering the lanes after the caller's stream failed", r);
     }
     pthread_mutex_unlock(&n->lock);
     return res;
@@ -352,11 +355,7 @@ static mp_result nccl_end(mp_transport *t)
                 f->next = n->spare;
                 n->spare = f;
             }
-            char detail[200];
-            snprintf(detail, sizeof detail, "recording lane %d's completion event failed: %s", l,
-                     f ? cu_error(n, r) : "out of memory");
-            abort_locked(n, MP_ERR_SYSTEM, t->rank, detail);
-            res = MP_ERR_SYSTEM;
+            res = fail_cuda(n, "recording a lane's completion event failed", r != MP_CUDA_SUCCESS ? r : MP_CUDA_ERROR_OUT_OF_MEMORY);
             break;
         }
         f->steps = lane->open_head;
@@ -416,12 +415,8 @@ static mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
         mp_CUcontext saved = enter(n);
         mp_CUresult r = n->cu->StreamWaitEvent((mp_CUstream)stream, ((fence *)op->fence)->event, 0);
         leave(n, saved);
-        if (r != MP_CUDA_SUCCESS) {
-            char detail[200];
-            snprintf(detail, sizeof detail, "making the caller's stream wait failed: %s", cu_error(n, r));
-            abort_locked(n, MP_ERR_SYSTEM, t->rank, detail);
-            res = MP_ERR_SYSTEM;
-        }
+        if (r != MP_CUDA_SUCCESS)
+            res = fail_cuda(n, "making the caller's stream wait failed", r);
     }
     pthread_mutex_unlock(&n->lock);
     return res;
