@@ -1,0 +1,59 @@
+"""Small timing helpers shared by the benchmark sections."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+MiB = 1 << 20
+
+
+def say(line: str) -> None:
+    """Prints on rank 0 only: one progress line per measured point."""
+    if dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(math.ceil(q * len(ordered))) - 1)]
+
+
+def median(samples: Sequence[float]) -> float:
+    ordered = sorted(samples)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+def slowest_rank(seconds: float, group=None) -> float:
+    """The largest of every rank's value: a collective finishes when its slowest rank does."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def timed_loop(body: Callable[[], None], iterations: int, warmup: int, group=None) -> float:
+    """Seconds per iteration of `body`, run by every rank of `group` in step, started together
+    after a barrier and taken from the slowest rank."""
+    for _ in range(warmup):
+        body()
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        body()
+    return slowest_rank(time.perf_counter() - start, group) / iterations
+
+
+def repetitions(nbytes: int, target_bytes: int, lo: int, hi: int) -> int:
+    """How many messages of `nbytes` move about `target_bytes`, within [lo, hi]."""
+    return max(lo, min(hi, target_bytes // max(nbytes, 1)))
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"

@@ -1,0 +1,59 @@
+"""`make bench-quick` as a smoke test: the reduced sweep completes and writes a complete, valid
+JSON, the plots and one line per goal. It never checks a timing: this suite runs on shared
+machines where timings mean nothing."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import ROOT
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_benchmark_writes_complete_results(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["complete"] and r["kind"] == "quick"
+    for key in ("cpu_model", "cores", "kernel", "torch", "commit"):
+        assert r["machine"][key], key
+
+    assert [p["bytes"] for p in r["latency"]] == [0, 8, 1024, 65536]
+    for p in r["latency"]:
+        assert set(p["us"]) == {"megatron_p2p", "gloo_isend_irecv", "gloo_batch_isend_irecv"}
+        assert all(_positive(f["median_us"]) and f["p99_us"] >= f["median_us"] for f in p["us"].values())
+
+    bw = r["bandwidth"]
+    sizes = [p["bytes"] for p in bw["memcpy"]]
+    assert sizes and [p["bytes"] for p in bw["one_way"]] == sizes == [p["bytes"] for p in bw["exchange"]]
+    assert all(_positive(p["gbps"]) for p in bw["memcpy"])
+    for p in bw["one_way"] + bw["exchange"]:
+        assert set(p["gbps"]) == {"megatron_p2p", "gloo_isend_irecv", "gloo_batch_isend_irecv"}
+        assert all(_positive(v) for v in p["gbps"].values())
+
+    assert {p["pp"] for p in r["pipeline"]} == {2, 4}
+    for p in r["pipeline"]:
+        assert set(p["step_ms"]) == {"megatron_p2p_parity", "megatron_p2p_batched", "stock_gloo_batched",
+                                     "stock_gloo_p2p_ops"}
+        assert all(_positive(v) for v in p["step_ms"].values())
+    assert r["stock"]["kind"] in ("megatron-core", "replica")
+    assert [p["ranks"] for p in r["oversubscription"]] == [2, 4]
+
+    ov = r["overhead"]["us"]
+    assert set(ov) == {"megatron_p2p", "torch_isend_irecv", "torch_batch_isend_irecv"}
+    assert all(_positive(f["cpu_median_us"]) for f in ov.values())
+
+    assert len(r["goals"]) == 5
+    assert all(isinstance(g["met"], bool) and math.isfinite(g["ratio"]) for g in r["goals"])
+    assert proc.stdout.count("GOAL ") == 5
+    assert "| size |" in proc.stdout  # the printed table
+    for name in ("latency.png", "bandwidth.png", "step_time.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE, name
