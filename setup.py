@@ -4,7 +4,7 @@ import os
 
 from setuptools import Extension, setup
 
-extra_compile = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-fvisibility=hidden"]
+extra_compile = ["-fno-omit-frame-pointer", "-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-fvisibility=hidden"]
 extra_link = []
 if os.environ.get("MEGATRON_P2P_SANITIZE"):
     flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-O1", "-g"]

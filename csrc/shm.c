@@ -21,7 +21,10 @@
 #include "dtype.h"
 #include "shm_segment.h"
 
-#define SPIN_SECONDS 20e-6     /* busy-poll this long after activity before sleeping */
+#define SPIN_SECONDS 20e-6     /* the progress thread busy-polls this long after activity */
+/* A thread waiting on an op polls longer: its peer's reply is usually one Python call away,
+ * and a futex sleep and wake cost tens of microseconds on a VM. */
+#define DRIVE_SPIN_SECONDS 100e-6
 #define LIVENESS_PERIOD 0.05   /* how often peers' liveness is checked */
 #define CMA_CHUNK (4u << 20)   /* one process_vm_readv call; large single calls are slow */
 #define COPY_CHUNK (16u << 20) /* bytes one op copies per pass, so ops on other lanes interleave */
@@ -64,6 +67,14 @@ typedef struct {
     _Atomic uint32_t completions; /* futex word for waiters in this process */
     _Atomic uint32_t waiters;
     int failed; /* abort seen, everything failed */
+
+    /* Between begin() and end() the posting thread collects the peers its own passes would
+     * wake and wakes each once at end(): a futex wake costs microseconds, and one exchange
+     * often sends twice to the same peer. Only that thread touches these. */
+    int in_call;
+    int deferring;
+    int deferred[4];
+    int ndeferred;
 } shm_t;
 
 static shm_t *as_shm(mp_transport *t) { return (shm_t *)t; }
@@ -81,8 +92,18 @@ static void ring(shm_t *s, int rank)
  * holder, which passes again whenever a pass moved anything. */
 static void ring_peer(shm_t *s, const mp_op *op)
 {
-    if (op->peer != s->base.rank)
-        ring(s, op->peer);
+    if (op->peer == s->base.rank)
+        return;
+    if (s->deferring) {
+        for (int i = 0; i < s->ndeferred; i++)
+            if (s->deferred[i] == op->peer)
+                return;
+        if (s->ndeferred < (int)(sizeof s->deferred / sizeof *s->deferred)) {
+            s->deferred[s->ndeferred++] = op->peer;
+            return;
+        }
+    }
+    ring(s, op->peer);
 }
 
 /* ---- completion ---------------------------------------------------------------------- */
@@ -547,8 +568,10 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     /* Publish at once when the engine is free; otherwise its holder is running and the bell
      * makes sure it looks again. */
     if (pthread_mutex_trylock(&s->engine) == 0) {
+        s->deferring = s->in_call;
         while (engine_pass(s))
             ;
+        s->deferring = 0;
         pthread_mutex_unlock(&s->engine);
     } else {
         ring(s, t->rank);
@@ -556,13 +579,30 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     return MP_OK;
 }
 
-/* Progresses from the caller's thread while things move, for at most SPIN_SECONDS of calm. */
+static mp_result shm_begin(mp_transport *t, void *stream)
+{
+    (void)stream; /* CPU memory: nothing to order after */
+    as_shm(t)->in_call = 1;
+    return MP_OK;
+}
+
+static mp_result shm_end(mp_transport *t)
+{
+    shm_t *s = as_shm(t);
+    s->in_call = 0;
+    for (int i = 0; i < s->ndeferred; i++)
+        ring(s, s->deferred[i]);
+    s->ndeferred = 0;
+    return MP_OK;
+}
+
+/* Progresses from the caller's thread while things move, for at most DRIVE_SPIN_SECONDS of calm. */
 static void drive(shm_t *s, const mp_op *op, double deadline)
 {
     shm_rank *me = my_slot(s);
     atomic_fetch_add(&me->driving, 1);
     uint32_t seen = atomic_load(&me->bell);
-    double calm_until = mp_now() + SPIN_SECONDS;
+    double calm_until = mp_now() + DRIVE_SPIN_SECONDS;
     for (;;) {
         if (mp_op_done(op))
             break;
@@ -572,7 +612,7 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         if (pthread_mutex_trylock(&s->engine) == 0) {
             seen = atomic_load(&me->bell);
             while (engine_pass(s))
-                calm_until = now + SPIN_SECONDS;
+                calm_until = now + DRIVE_SPIN_SECONDS;
             pthread_mutex_unlock(&s->engine);
         } else {
             mp_cpu_relax();
@@ -675,6 +715,8 @@ static const mp_transport_ops shm_ops = {
     .abort_cause = shm_abort_cause,
     .describe_peer = shm_describe_peer,
     .destroy = shm_destroy,
+    .begin = shm_begin,
+    .end = shm_end,
 };
 
 /* ---- creation --------------------------------------------------------------------------- */

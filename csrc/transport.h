@@ -27,10 +27,12 @@ typedef struct {
     /* Stops progress, fails what is pending with MP_ERR_CLOSED, frees everything. */
     void (*destroy)(mp_transport *t);
 
-    /* Optional, for transports that run on device streams (NULL on the CPU transport). */
-    /* Before the steps of one call: the work posted next starts after what `stream` holds. */
+    /* Optional (NULL: not needed). */
+    /* Before the steps of one call: the work posted next starts after what `stream` holds
+     * (device transports; NULL on the CPU). */
     mp_result (*begin)(mp_transport *t, void *stream);
-    /* After them: fences the steps posted since begin(), so their ops can complete. */
+    /* After them: device transports fence the steps posted since begin(); the CPU transport
+     * wakes the peers it notified, once each. */
     mp_result (*end)(mp_transport *t);
     /* Finishes the ops whose device work has completed (the CPU transport has a thread). */
     void (*progress)(mp_transport *t);
