@@ -43,13 +43,15 @@ test: build
 
 # The extension built with AddressSanitizer and UndefinedBehaviorSanitizer, and the whole suite
 # run against it (every torchrun rank inherits the preloaded runtime).
-ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
+# libstdc++ is preloaded with it: C++ extensions (matplotlib's) throw, and ASan's __cxa_throw
+# interceptor needs the real one loaded before it.
+ASAN_LIB = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so.6)
 sanitize: $(DEPS)
 	MEGATRON_P2P_SANITIZE=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
 	cp megatron_p2p/*.py build/asan/megatron_p2p/
 	# From build/asan, so that `python -m` (which puts the working directory first on the path)
 	# imports the instrumented copy; tests/test_build.py checks that it did.
-	cd build/asan && PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD=$(ASAN_LIB) \
+	cd build/asan && PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD="$(ASAN_LIB)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider $(CURDIR)/tests
