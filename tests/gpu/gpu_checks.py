@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the source tree, when not installed
 import megatron_p2p as mp  # noqa: E402
 
 SIZES = [0, 1, 8, 1 << 10, 1 << 20, 64 << 20]  # bytes; 1 GiB runs for two dtypes below
