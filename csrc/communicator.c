@@ -69,7 +69,7 @@ static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_prior
         return MP_ERR_CORRUPT;
     }
     *unavailable = 1;
-    const mp_nccl_lib *nccl = mp_nccl_load(getenv(MP_NCCL_LIBRARY_ENV), NULL, 0, err, errlen);
+    const mp_nccl_lib *nccl = mp_nccl_loaded(err, errlen); /* one search order: nccl_version()'s */
     const mp_cuda_lib *cuda = nccl ? mp_cuda_load(err, errlen) : NULL;
     if (!cuda)
         return MP_ERR_SYSTEM;

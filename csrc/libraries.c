@@ -136,6 +136,15 @@ const mp_nccl_lib *mp_nccl_load(const char *env_path, const char *const *bundled
     return NULL;
 }
 
+const mp_nccl_lib *mp_nccl_loaded(char *err, size_t errlen)
+{
+    if (nccl_loaded)
+        return &nccl_table;
+    snprintf(err, errlen, "libnccl is not loaded yet: megatron_p2p.nccl_version() loads it (init_communicator "
+             "does so for backend 'nccl')");
+    return NULL;
+}
+
 #define CU_SYM(field, name) {name, offsetof(mp_cuda_lib, field), 0}
 static const symbol cuda_symbols[] = {
     CU_SYM(Init, "cuInit"),

@@ -56,6 +56,8 @@ typedef struct {
  * environment), then libnccl.so.2 on the system path. NULL with `err` naming every attempt. */
 const mp_nccl_lib *mp_nccl_load(const char *env_path, const char *const *bundled, int nbundled, char *err,
                                 size_t errlen);
+/* The table mp_nccl_load filled; NULL with `err` saying how to load it when it has not been. */
+const mp_nccl_lib *mp_nccl_loaded(char *err, size_t errlen);
 /* Loads the CUDA driver (libcuda.so.1) once; NULL with `err` when there is none. */
 const mp_cuda_lib *mp_cuda_load(char *err, size_t errlen);
 

@@ -42,10 +42,9 @@ done:
 static PyObject *nccl_unique_id(PyObject *mod, PyObject *Py_UNUSED(ignored))
 {
     char err[2048];
-    const mp_nccl_lib *lib = mp_nccl_load(getenv(MP_NCCL_LIBRARY_ENV), NULL, 0, err, sizeof err);
+    const mp_nccl_lib *lib = mp_nccl_loaded(err, sizeof err);
     if (!lib)
-        return PyErr_Format(((mp_state *)PyModule_GetState(mod))->BackendUnavailableError,
-                            "libnccl could not be loaded: %s", err);
+        return PyErr_Format(((mp_state *)PyModule_GetState(mod))->BackendUnavailableError, "%s", err);
     mp_ncclUniqueId id;
     mp_ncclResult_t r;
     Py_BEGIN_ALLOW_THREADS /* it may probe network interfaces */
@@ -146,7 +145,7 @@ PyMethodDef mp_nccl_methods[] = {
      "nccl_load(env_path, bundled) -> (version, path, source)\n\nLoads libnccl once per process: env_path "
      "alone when given, else a copy already loaded, else the bundled paths in order, else libnccl.so.2 "
      "from the system. Raises BackendUnavailableError naming every attempt."},
-    {"nccl_unique_id", nccl_unique_id, METH_NOARGS, "nccl_unique_id() -> bytes: a new 128-byte ncclUniqueId."},
+    {"nccl_unique_id", nccl_unique_id, METH_NOARGS, "nccl_unique_id() -> bytes: a new 128-byte ncclUniqueId, from the libnccl nccl_load() loaded."},
     {"_nccl_issue_trace", nccl_issue_trace, METH_VARARGS,
      "_nccl_issue_trace(steps, nccl_version) -> list of calls\n\nRuns the NCCL transport's issuing code on "
      "steps [(lane, [(is_send, peer, nbytes, dtype_code), ...]), ...] against a recorder instead of libnccl: "

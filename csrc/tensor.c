@@ -1,28 +1,22 @@
 #include "bindings.h"
 
-static int attr_true(PyObject *obj, PyObject *name)
+/* obj.name, or obj.name() when `call`: a new reference, or NULL with the error set. */
+static PyObject *get(PyObject *obj, PyObject *name, int call)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (!v)
-        return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
+    return call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+}
+
+static int get_true(PyObject *obj, PyObject *name, int call)
+{
+    PyObject *v = get(obj, name, call);
+    int r = v ? PyObject_IsTrue(v) : -1;
+    Py_XDECREF(v);
     return r;
 }
 
-static int call_true(PyObject *obj, PyObject *name)
+static int get_u64(PyObject *obj, PyObject *name, int call, uint64_t *out)
 {
-    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
-    if (!v)
-        return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
-static int attr_u64(PyObject *obj, PyObject *name, int call, uint64_t *out)
-{
-    PyObject *v = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    PyObject *v = get(obj, name, call);
     if (!v)
         return -1;
     *out = PyLong_AsUnsignedLongLong(v);
@@ -49,11 +43,11 @@ int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp
     Py_DECREF(dtype);
     out->dtype = (int)PyLong_AsLong(code);
 
-    int here = attr_true(obj, device < 0 ? st->str_is_cpu : st->str_is_cuda);
+    int here = get_true(obj, device < 0 ? st->str_is_cpu : st->str_is_cuda, 0);
     if (here < 0)
         return -1;
     if (here && device >= 0) {
-        PyObject *where = PyObject_CallMethodNoArgs(obj, st->str_get_device);
+        PyObject *where = get(obj, st->str_get_device, 1);
         long on = where ? PyLong_AsLong(where) : -1;
         Py_XDECREF(where);
         if (on == -1 && PyErr_Occurred())
@@ -73,7 +67,7 @@ int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp
         }
         return -1;
     }
-    int contiguous = call_true(obj, st->str_is_contiguous);
+    int contiguous = get_true(obj, st->str_is_contiguous, 1);
     if (contiguous < 0)
         return -1;
     if (!contiguous) {
@@ -82,7 +76,7 @@ int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp
         return -1;
     }
     uint64_t ptr;
-    if (attr_u64(obj, st->str_nbytes, 0, &out->nbytes) < 0 || attr_u64(obj, st->str_data_ptr, 1, &ptr) < 0)
+    if (get_u64(obj, st->str_nbytes, 0, &out->nbytes) < 0 || get_u64(obj, st->str_data_ptr, 1, &ptr) < 0)
         return -1;
     out->ptr = (void *)(uintptr_t)ptr;
     return 0;
