@@ -14,6 +14,7 @@
 typedef struct {
     PyObject *P2PError;
     PyObject *P2PTimeoutError;
+    PyObject *DeadlockError;
     PyObject *MismatchError;
     PyObject *PeerFailureError;
     PyObject *BackendUnavailableError;
@@ -41,7 +42,10 @@ typedef struct {
     int device;              /* CUDA ordinal of the tensors it carries; -1: CPU memory */
     PyObject *stream_fn;     /* device transports: () -> the caller's current stream, as an int */
     PyObject *on_abort;      /* called with a message when this rank aborts the communicator */
+    PyObject *on_error;      /* called with each P2PError about to be raised (the flight recorder dumps) */
     mp_trace *trace;
+    uint64_t calls;          /* API calls that posted ops: exchange, isend, irecv, batch */
+    char id[20];             /* the same on every rank of this communicator: hex of its unique id */
     uint64_t sends, recvs, bytes_sent, bytes_received;
     double wait_seconds;
     mp_state *state;
@@ -83,5 +87,9 @@ void mp_comm_prune(CommObject *comm);
 int mp_comm_stream(CommObject *comm, void **stream);
 /* Aborts after a local timeout and tells the other ranks (on_abort). */
 void mp_comm_abort_for_timeout(CommObject *comm, PyObject *message);
+/* Hands the exception being raised to the communicator's on_error hook, if any. */
+void mp_comm_error_hook(CommObject *comm);
+/* Marks the op's flight-recorder entry: waited on, or finished with its result. */
+void mp_comm_trace_waited(CommObject *comm, const mp_op *op);
 
 #endif

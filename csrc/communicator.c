@@ -55,6 +55,28 @@ static int parse_ranks(CommObject *self, PyObject *ranks)
     return 0;
 }
 
+/* FNV-1a of the unique id: names the communicator in trace dumps without revealing the id. */
+static int set_id(CommObject *self, PyObject *unique_id)
+{
+    const char *bytes;
+    Py_ssize_t len;
+    if (PyUnicode_Check(unique_id)) {
+        if (!(bytes = PyUnicode_AsUTF8AndSize(unique_id, &len)))
+            return -1;
+    } else if (PyBytes_Check(unique_id)) {
+        bytes = PyBytes_AS_STRING(unique_id);
+        len = PyBytes_GET_SIZE(unique_id);
+    } else {
+        PyErr_SetString(PyExc_TypeError, "unique_id must be str (shm) or bytes (nccl)");
+        return -1;
+    }
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (Py_ssize_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)bytes[i]) * 0x100000001b3ull;
+    snprintf(self->id, sizeof self->id, "%016llx", (unsigned long long)h);
+    return 0;
+}
+
 /* The NCCL transport's parts of construction: the libraries, then the collective creation. */
 static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_priority, mp_transport **t, char *err,
                            size_t errlen, int *unavailable)
@@ -108,6 +130,7 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
         .eager_threshold = self->eager_threshold,
         .timeout = self->timeout,
         .allow_cma = single_copy,
+        .global_rank = self->global_ranks[self->group_rank],
     };
     mp_result r;
     Py_BEGIN_ALLOW_THREADS
@@ -181,6 +204,8 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     if (!self->inflight || !self->backend)
         goto fail;
+    if (set_id(self, unique_id) < 0)
+        goto fail;
 
     char err[2048] = "";
     int unavailable = 0;
@@ -226,6 +251,7 @@ static void comm_dealloc(CommObject *self)
     Py_XDECREF(self->backend);
     Py_XDECREF(self->stream_fn);
     Py_XDECREF(self->on_abort);
+    Py_XDECREF(self->on_error);
     PyMem_Free(self->trace);
     PyMem_Free(self->global_ranks);
     PyMem_Free(self->send_seq);
@@ -242,10 +268,21 @@ void mp_comm_prune(CommObject *self)
         t->ops->progress(t);
     PyObject *list = self->inflight;
     Py_ssize_t keep = 0, n = PyList_GET_SIZE(list);
+    double now = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(list, i);
-        if (mp_op_done(&((RequestObject *)item)->op))
+        const mp_op *op = &((RequestObject *)item)->op;
+        if (mp_op_done(op)) {
+            mp_trace_entry *e = mp_trace_entry_of(self->trace, op->trace_id);
+            if (e) {
+                if (!now)
+                    now = mp_wall_time();
+                e->state = op->result == MP_OK ? MP_TRACE_COMPLETED : MP_TRACE_FAILED;
+                e->result = op->result;
+                e->t_completed = now;
+            }
             continue;
+        }
         /* Swap the live item forward; the slice deletion below releases the finished ones. */
         PyList_SET_ITEM(list, i, PyList_GET_ITEM(list, keep));
         PyList_SET_ITEM(list, keep, item);
@@ -312,9 +349,14 @@ static int check_usable(CommObject *self)
     if (cause != MP_OK) {
         PyObject *exc = cause == MP_ERR_TIMEOUT     ? self->state->P2PTimeoutError
                       : cause == MP_ERR_PEER_DEAD ? self->state->PeerFailureError
+                      : cause == MP_ERR_DEADLOCK  ? self->state->DeadlockError
                                                   : self->state->P2PError;
-        PyErr_Format(exc, "communicator was aborted (%s, caused by group rank %d); create a new one",
-                     mp_result_str(cause), rank);
+        char report[4096] = "";
+        if (self->transport->ops->failure_report)
+            self->transport->ops->failure_report(self->transport, NULL, report, sizeof report);
+        PyErr_Format(exc, "communicator was aborted (%s, caused by group rank %d); create a new one%s%s",
+                     mp_result_str(cause), rank, report[0] ? "\n" : "", report);
+        mp_comm_error_hook(self);
         return -1;
     }
     return 0;
@@ -412,6 +454,27 @@ static void end_posting(CommObject *self)
         t->ops->end(t);
 }
 
+void mp_comm_error_hook(CommObject *self)
+{
+    if (!self->on_error || !PyErr_Occurred())
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *r = PyObject_CallOneArg(self->on_error, value ? value : Py_None);
+    if (!r)
+        PyErr_WriteUnraisable(self->on_error); /* a dump that fails must not hide the real error */
+    Py_XDECREF(r);
+    PyErr_Restore(type, value, tb);
+}
+
+void mp_comm_trace_waited(CommObject *self, const mp_op *op)
+{
+    mp_trace_entry *e = mp_trace_entry_of(self->trace, op->trace_id);
+    if (e)
+        e->waited = 1;
+}
+
 void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
 {
     self->transport->ops->abort(self->transport, MP_ERR_TIMEOUT, self->group_rank);
@@ -426,8 +489,9 @@ void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
     PyErr_Restore(type, value, tb);
 }
 
-/* Numbers the ops, posts them as one step on `lane`, and returns the Requests. */
-static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane)
+/* Numbers the ops, posts them as one step on `lane` for API call `call_name`, and returns the
+ * Requests. */
+static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane, const char *call_name)
 {
     PyObject *reqs = PyList_New(nops);
     if (!reqs)
@@ -449,7 +513,7 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
     }
     for (int i = 0; i < nops; i++) {
         mp_op *op = step->ops[i];
-        size_t ch = (size_t)ops[i].lane * (size_t)self->size + (size_t)ops[i].peer;
+        size_t ch = (size_t)lane * (size_t)self->size + (size_t)ops[i].peer;
         op->kind = ops[i].kind;
         op->label = ops[i].label;
         op->peer = ops[i].peer;
@@ -457,6 +521,8 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
         op->lane = lane;
         op->seq = ops[i].kind == MP_SEND ? self->send_seq[ch]++ : self->recv_seq[ch]++;
         op->step = self->lane_steps[lane];
+        op->call = self->calls;
+        snprintf(op->call_name, sizeof op->call_name, "%s", call_name ? call_name : "");
         if (op->kind == MP_SEND) {
             self->sends++;
             self->bytes_sent += op->nbytes;
@@ -468,7 +534,7 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
     self->lane_steps[lane]++;
     step->lane = lane;
     step->nops = nops;
-    mp_trace_step(self->trace, step);
+    mp_trace_step(self->trace, step, mp_wall_time());
     mp_transport *t = self->transport;
     mp_result r;
     Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
@@ -509,11 +575,12 @@ static int parse_mode(PyObject *mode, mp_mode *out)
 static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"send_next", "recv_prev", "send_prev", "recv_next", "mode", "prev_rank", "next_rank",
-                             NULL};
+                             "call", NULL};
     PyObject *tensors[MP_NUM_SLOTS] = {Py_None, Py_None, Py_None, Py_None};
     PyObject *mode_obj = NULL, *prev_obj = Py_None, *next_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOOO$OOO:exchange", kwlist, &tensors[0], &tensors[1],
-                                     &tensors[2], &tensors[3], &mode_obj, &prev_obj, &next_obj))
+    const char *call = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOOO$OOOz:exchange", kwlist, &tensors[0], &tensors[1],
+                                     &tensors[2], &tensors[3], &mode_obj, &prev_obj, &next_obj, &call))
         return NULL;
     mp_mode mode = MP_MODE_PARITY;
     if (mode_obj && parse_mode(mode_obj, &mode) < 0)
@@ -560,7 +627,7 @@ static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwarg
         return NULL;
     }
     for (int i = 0; i < plan.nsteps && result; i++) {
-        PyObject *reqs = post_step(self, steps[i], plan.steps[i].nops, plan.steps[i].lane);
+        PyObject *reqs = post_step(self, steps[i], plan.steps[i].nops, plan.steps[i].lane, call);
         for (int j = 0; reqs && j < plan.steps[i].nops; j++)
             if (PyDict_SetItemString(result, mp_slot_name(plan.steps[i].ops[j]), PyList_GET_ITEM(reqs, j)) < 0)
                 Py_CLEAR(reqs);
@@ -569,6 +636,7 @@ static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwarg
         Py_XDECREF(reqs);
     }
     end_posting(self); /* also after a failure: what was posted must be fenced */
+    self->calls++;
     return result;
 }
 
@@ -588,9 +656,11 @@ static int read_p2p_op(CommObject *self, PyObject *tensor, PyObject *peer, mp_ki
 
 static PyObject *single_op(CommObject *self, PyObject *args, PyObject *kwargs, mp_kind kind)
 {
-    static char *kwlist[] = {"tensor", "peer", NULL};
+    static char *kwlist[] = {"tensor", "peer", "call", NULL};
     PyObject *tensor, *peer;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, kind == MP_SEND ? "OO:isend" : "OO:irecv", kwlist, &tensor, &peer))
+    const char *call = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, kind == MP_SEND ? "OO|$z:isend" : "OO|$z:irecv", kwlist, &tensor,
+                                     &peer, &call))
         return NULL;
     if (check_usable(self) < 0)
         return NULL;
@@ -600,8 +670,9 @@ static PyObject *single_op(CommObject *self, PyObject *args, PyObject *kwargs, m
     mp_comm_prune(self);
     if (begin_posting(self) < 0)
         return NULL;
-    PyObject *reqs = post_step(self, &op, 1, 0);
+    PyObject *reqs = post_step(self, &op, 1, 0, call);
     end_posting(self);
+    self->calls++;
     if (!reqs)
         return NULL;
     PyObject *req = Py_NewRef(PyList_GET_ITEM(reqs, 0));
@@ -612,8 +683,17 @@ static PyObject *single_op(CommObject *self, PyObject *args, PyObject *kwargs, m
 static PyObject *comm_isend(CommObject *self, PyObject *args, PyObject *kwargs) { return single_op(self, args, kwargs, MP_SEND); }
 static PyObject *comm_irecv(CommObject *self, PyObject *args, PyObject *kwargs) { return single_op(self, args, kwargs, MP_RECV); }
 
-static PyObject *comm_batch(CommObject *self, PyObject *arg)
+static PyObject *comm_batch(CommObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"ops", "lane", "call", NULL};
+    PyObject *arg;
+    int lane = 0;
+    const char *call = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$iz:batch", kwlist, &arg, &lane, &call))
+        return NULL;
+    if (lane < 0 || lane >= self->nlanes)
+        return PyErr_Format(PyExc_ValueError, "lane must be 0%s for this communicator of %d lane(s), got %d",
+                            self->nlanes > 1 ? " or 1" : "", self->nlanes, lane);
     PyObject *seq = PySequence_Fast(arg, "batch() takes a sequence of (is_send, tensor, peer) tuples");
     if (!seq)
         return NULL;
@@ -652,8 +732,9 @@ static PyObject *comm_batch(CommObject *self, PyObject *arg)
     mp_comm_prune(self);
     if (begin_posting(self) < 0)
         goto done;
-    reqs = post_step(self, ops, (int)n, 0);
+    reqs = post_step(self, ops, (int)n, lane, call);
     end_posting(self);
+    self->calls++;
 done:
     PyMem_Free(ops);
     Py_DECREF(seq);
@@ -703,26 +784,63 @@ static PyObject *comm_single_copy(CommObject *self, PyObject *peer)
     return PyBool_FromLong(mp_shm_single_copy(self->transport, r));
 }
 
+static const char *result_key(int r)
+{
+    switch (r) {
+    case MP_OK: return "";
+    case MP_ERR_MISMATCH: return "mismatch";
+    case MP_ERR_TIMEOUT: return "timeout";
+    case MP_ERR_DEADLOCK: return "deadlock";
+    case MP_ERR_PEER_DEAD: return "peer_dead";
+    case MP_ERR_ABORTED: return "aborted";
+    case MP_ERR_CLOSED: return "closed";
+    case MP_ERR_CORRUPT: return "corrupt";
+    default: return "system";
+    }
+}
+
+static PyObject *trace_entry_dict(const mp_trace_entry *e, int matched)
+{
+    static const char *const states[] = {"posted", "completed", "failed"};
+    PyObject *done = e->t_completed ? PyFloat_FromDouble(e->t_completed) : Py_NewRef(Py_None);
+    if (!done)
+        return NULL;
+    const char *state = e->state == MP_TRACE_POSTED && matched ? "matched" : states[e->state % 3];
+    return Py_BuildValue("{s:s,s:s,s:i,s:K,s:s,s:i,s:K,s:K,s:i,s:K,s:s,s:s,s:s,s:d,s:N,s:O}", "kind",
+                         e->kind == MP_SEND ? "send" : "recv", "label", mp_label_name((mp_label)e->label), "peer",
+                         e->peer_global, "nbytes", (unsigned long long)e->nbytes, "dtype", mp_dtype_name(e->dtype),
+                         "lane", e->lane, "step", (unsigned long long)e->step, "seq", (unsigned long long)e->seq,
+                         "group_size", e->group_size, "call", (unsigned long long)e->call, "call_name",
+                         e->call_name, "state", state, "error", result_key(e->result), "t_posted", e->t_posted,
+                         "t_completed", done, "waited", e->waited ? Py_True : Py_False);
+}
+
 static PyObject *comm_recent_ops(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
+    mp_comm_prune(self); /* finished ops get their final state */
     mp_trace_entry *entries = PyMem_Malloc(sizeof(mp_trace_entry) * MP_TRACE_CAPACITY);
     if (!entries)
         return PyErr_NoMemory();
     size_t n = mp_trace_recent(self->trace, entries, MP_TRACE_CAPACITY);
-    PyObject *out = PyList_New((Py_ssize_t)n);
+    /* Ops still in flight: whether their partner has met them is the transport's live word. */
+    uint64_t first = n ? entries[0].id : 0;
+    unsigned char *matched = PyMem_Calloc(n ? n : 1, 1);
+    PyObject *out = matched ? PyList_New((Py_ssize_t)n) : PyErr_NoMemory();
+    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(self->inflight); i++) {
+        const mp_op *op = &((RequestObject *)PyList_GET_ITEM(self->inflight, i))->op;
+        if (op->trace_id >= first && op->trace_id - first < n)
+            matched[op->trace_id - first] = (unsigned char)atomic_load_explicit(&((mp_op *)op)->matched,
+                                                                                memory_order_relaxed);
+    }
     for (size_t i = 0; out && i < n; i++) {
-        const mp_trace_entry *e = &entries[i];
-        PyObject *d = Py_BuildValue("{s:s,s:s,s:i,s:K,s:s,s:i,s:K,s:K,s:i}", "kind", e->kind == MP_SEND ? "send" : "recv",
-                                    "label", mp_label_name((mp_label)e->label), "peer", e->peer_global, "nbytes",
-                                    (unsigned long long)e->nbytes, "dtype", mp_dtype_name(e->dtype), "lane", e->lane,
-                                    "step", (unsigned long long)e->step, "seq", (unsigned long long)e->seq,
-                                    "group_size", e->group_size);
+        PyObject *d = trace_entry_dict(&entries[i], matched[i]);
         if (!d) {
             Py_CLEAR(out);
             break;
         }
         PyList_SET_ITEM(out, (Py_ssize_t)i, d);
     }
+    PyMem_Free(matched);
     PyMem_Free(entries);
     return out;
 }
@@ -738,6 +856,18 @@ static PyObject *get_eager(CommObject *self, void *Py_UNUSED(c)) { return PyLong
 static PyObject *get_backend(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->backend); }
 static PyObject *get_closed(CommObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->transport == NULL); }
 static PyObject *get_device(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->device); }
+static PyObject *get_id(CommObject *self, void *Py_UNUSED(c)) { return PyUnicode_FromString(self->id); }
+static PyObject *get_on_error(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->on_error ? self->on_error : Py_None); }
+
+static int set_on_error(CommObject *self, PyObject *value, void *Py_UNUSED(c))
+{
+    if (value && value != Py_None && !PyCallable_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "on_error must be callable or None, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    Py_XSETREF(self->on_error, value && value != Py_None ? Py_NewRef(value) : NULL);
+    return 0;
+}
 
 static PyObject *get_ranks(CommObject *self, void *Py_UNUSED(c))
 {
@@ -760,30 +890,37 @@ static PyGetSetDef comm_getset[] = {
     {"backend", (getter)get_backend, NULL, "The transport: 'shm' or 'nccl'.", NULL},
     {"device", (getter)get_device, NULL, "CUDA ordinal of the tensors it carries; -1 for CPU memory.", NULL},
     {"closed", (getter)get_closed, NULL, "True after close().", NULL},
+    {"id", (getter)get_id, NULL, "Names this communicator: the same on all its ranks, different for every other.", NULL},
+    {"on_error", (getter)get_on_error, (setter)set_on_error,
+     "None, or a callable given each P2PError this communicator is about to raise (the flight recorder dumps).",
+     NULL},
     {NULL},
 };
 
 static PyMethodDef comm_methods[] = {
     {"exchange", (PyCFunction)(void (*)(void))comm_exchange, METH_VARARGS | METH_KEYWORDS,
      "exchange(send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode='parity', "
-     "prev_rank=None, next_rank=None) -> dict\n\nPosts one pipeline exchange in one call and returns a "
+     "prev_rank=None, next_rank=None, call=None) -> dict\n\nPosts one pipeline exchange in one call and returns a "
      "Request per posted op, keyed by op name. mode='parity' issues the ops one by one in Megatron's "
      "parity order; 'batched' issues each lane's ops as one group. prev_rank / next_rank (global ranks) "
-     "override the ring neighbours."},
+     "override the ring neighbours. call names the API call for reports and the flight recorder."},
     {"isend", (PyCFunction)(void (*)(void))comm_isend, METH_VARARGS | METH_KEYWORDS,
-     "isend(tensor, peer) -> Request\n\nPosts a send to global rank `peer` on lane 0, after every op issued before."},
+     "isend(tensor, peer, *, call=None) -> Request\n\nPosts a send to global rank `peer` on lane 0, after every op issued before."},
     {"irecv", (PyCFunction)(void (*)(void))comm_irecv, METH_VARARGS | METH_KEYWORDS,
-     "irecv(tensor, peer) -> Request\n\nPosts a receive from global rank `peer` on lane 0, after every op issued before."},
-    {"batch", (PyCFunction)comm_batch, METH_O,
-     "batch(ops) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on lane 0."},
+     "irecv(tensor, peer, *, call=None) -> Request\n\nPosts a receive from global rank `peer` on lane 0, after every op issued before."},
+    {"batch", (PyCFunction)(void (*)(void))comm_batch, METH_VARARGS | METH_KEYWORDS,
+     "batch(ops, *, lane=0, call=None) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on "
+     "`lane`, after every op issued before on it."},
     {"abort", (PyCFunction)comm_abort, METH_NOARGS,
      "Fails every pending op here and at every peer. Idempotent."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
     {"stats", (PyCFunction)comm_stats, METH_NOARGS, "Messages and bytes posted, and seconds spent in wait()."},
     {"recent_ops", (PyCFunction)comm_recent_ops, METH_NOARGS,
-     "recent_ops() -> list[dict]: the last ops this rank posted (up to 1024), oldest first: kind, label, peer, "
-     "nbytes, dtype, lane, step (per lane), seq (per pair and lane) and group_size."},
+     "recent_ops() -> list[dict]: the last ops this rank posted (up to 1024), oldest first: kind, label, peer "
+     "(global rank), nbytes, dtype, lane, step (per lane), seq (per pair and lane), group_size, call (the k-th "
+     "API call), call_name, state (posted, matched, completed or failed), error ('' or the failure class), "
+     "t_posted and t_completed (wall-clock seconds; None while pending) and waited (wait() was called)."},
     {"single_copy", (PyCFunction)comm_single_copy, METH_O,
      "single_copy(peer) -> bool: whether large messages from `peer` arrive with one copy (CMA)."},
     {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},

@@ -6,6 +6,7 @@
 
 static struct PyModuleDef module_def;
 extern PyMethodDef mp_nccl_methods[];
+extern PyMethodDef mp_simulate_methods[];
 
 mp_state *mp_state_from_type(PyTypeObject *tp)
 {
@@ -133,6 +134,10 @@ static int module_exec(PyObject *mod)
                            "is aborted so that its peers fail too.");
     Py_DECREF(timeout_bases);
     if (rc < 0 ||
+        add_exception(mod, &st->DeadlockError, "DeadlockError", st->P2PTimeoutError,
+                      "This rank is in a wait-for cycle: ranks all blocked in waits, each needing the next to post "
+                      "an op it has not posted. It can never resolve, so it is raised at once rather than at the "
+                      "timeout. The message names every rank and op of the cycle.") < 0 ||
         add_exception(mod, &st->MismatchError, "MismatchError", st->P2PError,
                       "A matched send and receive disagree on byte count or dtype.") < 0 ||
         add_exception(mod, &st->PeerFailureError, "PeerFailureError", st->P2PError,
@@ -155,7 +160,7 @@ static int module_exec(PyObject *mod)
     INTERN(str_data_ptr, "data_ptr")
     INTERN(str_device, "device")
 #undef INTERN
-    if (PyModule_AddFunctions(mod, mp_nccl_methods) < 0)
+    if (PyModule_AddFunctions(mod, mp_nccl_methods) < 0 || PyModule_AddFunctions(mod, mp_simulate_methods) < 0)
         return -1;
     st->CommunicatorType = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &mp_communicator_spec, NULL);
     if (!st->CommunicatorType || PyModule_AddType(mod, st->CommunicatorType) < 0)
@@ -178,6 +183,7 @@ static int module_traverse(PyObject *mod, visitproc visit, void *arg)
     mp_state *st = state_of(mod);
     Py_VISIT(st->P2PError);
     Py_VISIT(st->P2PTimeoutError);
+    Py_VISIT(st->DeadlockError);
     Py_VISIT(st->MismatchError);
     Py_VISIT(st->PeerFailureError);
     Py_VISIT(st->BackendUnavailableError);
@@ -193,6 +199,7 @@ static int module_clear(PyObject *mod)
     mp_state *st = state_of(mod);
     Py_CLEAR(st->P2PError);
     Py_CLEAR(st->P2PTimeoutError);
+    Py_CLEAR(st->DeadlockError);
     Py_CLEAR(st->MismatchError);
     Py_CLEAR(st->PeerFailureError);
     Py_CLEAR(st->BackendUnavailableError);

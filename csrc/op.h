@@ -25,6 +25,7 @@ typedef enum {
 typedef enum { MP_OP_QUEUED = 0, MP_OP_ACTIVE = 1, MP_OP_DONE = 2 } mp_op_state;
 
 #define MP_DETAIL_LEN 320
+#define MP_CALL_NAME_LEN 40 /* the API call that posted an op, e.g. send_forward_recv_backward */
 
 typedef struct mp_op {
     /* Fixed when posted. */
@@ -38,10 +39,14 @@ typedef struct mp_op {
     void *buf;
     uint64_t nbytes;
     int dtype;
+    uint64_t call;        /* k-th API call on the communicator */
+    char call_name[MP_CALL_NAME_LEN];
+    uint64_t trace_id;    /* its entry in the flight recorder */
     /* Written by the transport; readable by anyone once state is DONE (acquire). */
     _Atomic uint32_t state;
     mp_result result;
     char detail[MP_DETAIL_LEN];
+    _Atomic uint32_t matched; /* its partner is posted and data moves (the flight recorder shows it) */
     /* Transport-private progress. */
     uint64_t progress;
     uint64_t skip_total;  /* receive: bytes of a mismatched bounce message to drain */

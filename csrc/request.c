@@ -47,6 +47,7 @@ static PyObject *failure_type(mp_state *st, mp_result r)
     switch (r) {
     case MP_ERR_MISMATCH: return st->MismatchError;
     case MP_ERR_TIMEOUT: return st->P2PTimeoutError;
+    case MP_ERR_DEADLOCK: return st->DeadlockError;
     case MP_ERR_PEER_DEAD: return st->PeerFailureError;
     default: return st->P2PError;
     }
@@ -62,7 +63,18 @@ void mp_raise_op_failure(CommObject *comm, const mp_op *op)
                                          (unsigned long long)op->seq, op->detail);
     if (!msg)
         return;
-    if (op->result == MP_ERR_TIMEOUT || op->result == MP_ERR_PEER_DEAD || op->result == MP_ERR_ABORTED) {
+    mp_transport *t = comm->transport;
+    char cycle[8192] = "";
+    if (t && t->ops->failure_report && (op->result == MP_ERR_DEADLOCK || op->result == MP_ERR_ABORTED))
+        t->ops->failure_report(t, op, cycle, sizeof cycle);
+    if (cycle[0]) {
+        PyObject *joined = PyUnicode_FromFormat("%U\n%s", msg, cycle);
+        Py_SETREF(msg, joined);
+        if (!msg)
+            return;
+    }
+    if (op->result == MP_ERR_TIMEOUT || op->result == MP_ERR_PEER_DEAD || op->result == MP_ERR_ABORTED ||
+        op->result == MP_ERR_DEADLOCK) {
         PyObject *report = mp_comm_pending_report(comm);
         if (report) {
             PyObject *joined = PyUnicode_FromFormat("%U\n%U", msg, report);
@@ -74,12 +86,14 @@ void mp_raise_op_failure(CommObject *comm, const mp_op *op)
     }
     PyErr_SetObject(failure_type(comm->state, op->result), msg);
     Py_DECREF(msg);
+    mp_comm_error_hook(comm);
 }
 
 int mp_request_complete(RequestObject *req, double timeout)
 {
     CommObject *comm = req->comm;
     mp_op *op = &req->op;
+    mp_comm_trace_waited(comm, op);
     if (!mp_op_done(op)) {
         if (timeout < 0)
             timeout = comm->timeout;
@@ -107,6 +121,7 @@ int mp_request_complete(RequestObject *req, double timeout)
                 PyErr_SetObject(comm->state->P2PTimeoutError, msg);
                 Py_DECREF(msg);
             }
+            mp_comm_error_hook(comm);
             return -1;
         }
     }
@@ -140,6 +155,7 @@ static int stream_wait(RequestObject *self)
 {
     CommObject *comm = self->comm;
     mp_transport *t = comm->transport;
+    mp_comm_trace_waited(comm, &self->op);
     if (!mp_op_done(&self->op)) {
         void *stream;
         if (mp_comm_stream(comm, &stream) < 0)

@@ -11,6 +11,7 @@ const char *mp_result_str(mp_result r)
     case MP_ERR_PEER_DEAD: return "peer process died";
     case MP_ERR_CLOSED: return "communicator closed";
     case MP_ERR_CORRUPT: return "shared memory corrupt";
+    case MP_ERR_DEADLOCK: return "deadlock";
     }
     return "unknown result";
 }

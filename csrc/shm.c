@@ -19,6 +19,7 @@
 
 #include "clock.h"
 #include "dtype.h"
+#include "shm_deadlock.h"
 #include "shm_segment.h"
 
 #define SPIN_SECONDS 20e-6     /* the progress thread busy-polls this long after activity */
@@ -28,6 +29,10 @@
 #define LIVENESS_PERIOD 0.05   /* how often peers' liveness is checked */
 #define CMA_CHUNK (4u << 20)   /* one process_vm_readv call; large single calls are slow */
 #define COPY_CHUNK (16u << 20) /* bytes one op copies per pass, so ops on other lanes interleave */
+/* A wait blocked this long publishes its pending ops and looks for a wait-for cycle, once per
+ * period; a cycle seen in two rounds in a row, with nothing in it moved, is a deadlock. */
+#define WATCH_AFTER 20e-3
+#define WATCH_PERIOD 20e-3
 
 enum { PH_NEW = 0, PH_STREAM, PH_WAIT_DONE, PH_COPY, PH_SKIP };
 
@@ -66,7 +71,8 @@ typedef struct {
 
     _Atomic uint32_t completions; /* futex word for waiters in this process */
     _Atomic uint32_t waiters;
-    int failed; /* abort seen, everything failed */
+    _Atomic uint32_t watching; /* threads in a published wait (mirrors my shm_rank.waiting) */
+    int failed; /* abort or own fence seen, everything failed */
 
     /* Between begin() and end() the posting thread collects the peers its own passes would
      * wake and wakes each once at end(): a futex wake costs microseconds, and one exchange
@@ -143,6 +149,9 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
         break;
     case MP_ERR_CLOSED:
         snprintf(buf, len, "communicator aborted: rank %d closed it with ops pending", rank);
+        break;
+    case MP_ERR_DEADLOCK:
+        snprintf(buf, len, "this rank is in a wait-for cycle that can never resolve (the deadlock report follows)");
         break;
     default:
         snprintf(buf, len, "communicator aborted by rank %d (%s)", rank, mp_result_str(cause));
@@ -307,6 +316,7 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
         recv_done(s, step, op, ch, cl, MP_ERR_MISMATCH);
         return 1;
     }
+    atomic_store_explicit(&op->matched, 1, memory_order_relaxed);
     if (path == SHM_PATH_INLINE) {
         if (nbytes)
             memcpy(op->buf, shm_inline_at(&s->v, c, op->seq), nbytes);
@@ -438,7 +448,35 @@ static mp_result shm_abort_cause(mp_transport *t, int *rank)
     mp_result cause = (mp_result)atomic_load(&h->abort_cause);
     if (rank)
         *rank = atomic_load(&h->abort_rank);
+    if (cause == MP_OK && atomic_load(&h->fenced) && atomic_load(&my_slot(as_shm(t))->fence)) {
+        cause = MP_ERR_DEADLOCK;
+        if (rank)
+            *rank = t->rank;
+    }
     return cause;
+}
+
+/* Ops of the active steps whose peer is fenced in a deadlock can never complete: they fail with
+ * the deadlock's report, and the rest of the lane goes on. */
+static int fail_fenced_peers(shm_t *s)
+{
+    int failed = 0;
+    for (int l = 0; l < s->base.nlanes; l++) {
+        mp_step *step = s->lanes[l].head;
+        if (!step || !step->activated)
+            continue;
+        for (int i = 0; i < step->nops; i++) {
+            mp_op *op = step->ops[i];
+            if (!op || op->peer == s->base.rank || !atomic_load(&shm_rank_at(&s->v, op->peer)->fence))
+                continue;
+            snprintf(op->detail, sizeof op->detail,
+                     "rank %d, which this op needs, is in a wait-for cycle that can never resolve (the deadlock "
+                     "report follows)", op->peer_global);
+            finish(s, step, op, MP_ERR_ABORTED);
+            failed = 1;
+        }
+    }
+    return failed;
 }
 
 static void shm_abort(mp_transport *t, mp_result cause, int rank)
@@ -452,14 +490,16 @@ static void shm_abort(mp_transport *t, mp_result cause, int rank)
         ring(s, r);
 }
 
-/* Fails everything once the communicator is aborted; from then on new steps fail on arrival. */
+/* Fails everything once the communicator is aborted or this rank is fenced as deadlocked; from
+ * then on new steps fail on arrival. */
 static void fail_everything(shm_t *s)
 {
     int rank;
     mp_result cause = shm_abort_cause(&s->base, &rank);
     char why[MP_DETAIL_LEN];
     describe_cause(s, cause, rank, why, sizeof why);
-    mp_result r = cause == MP_ERR_TIMEOUT || cause == MP_ERR_PEER_DEAD ? cause : MP_ERR_ABORTED;
+    mp_result r = cause == MP_ERR_TIMEOUT || cause == MP_ERR_PEER_DEAD || cause == MP_ERR_DEADLOCK ? cause
+                                                                                              : MP_ERR_ABORTED;
     for (int l = 0; l < s->base.nlanes; l++)
         fail_queue(s, &s->lanes[l], r, why);
     s->failed = 1;
@@ -506,6 +546,8 @@ static int engine_pass(shm_t *s)
     }
     for (int l = 0; l < s->base.nlanes; l++)
         moved |= progress_lane(s, &s->lanes[l]);
+    if (atomic_load_explicit(&shm_hdr(&s->v)->fenced, memory_order_relaxed))
+        moved |= fail_fenced_peers(s);
     return moved;
 }
 
@@ -560,11 +602,22 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
         return MP_ERR_ABORTED;
     step->remaining = step->nops;
     step->activated = 0;
-    for (int i = 0; i < step->nops; i++)
-        step->ops[i]->index = i;
     pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < step->nops; i++) {
+        mp_op *op = step->ops[i];
+        op->index = i;
+        /* What this rank has issued, for peers judging whether it still owes them an op. */
+        if (op->kind == MP_SEND)
+            atomic_store_explicit(&shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, t->rank, op->peer))->send_issued,
+                                  op->seq + 1, memory_order_relaxed);
+        else
+            atomic_store_explicit(&shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, t->rank))->recv_issued,
+                                  op->seq + 1, memory_order_relaxed);
+    }
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);
+    if (atomic_load_explicit(&s->watching, memory_order_relaxed))
+        atomic_fetch_add(&my_slot(s)->wait_epoch, 1); /* another thread posts during a wait: not blocked */
     /* Publish at once when the engine is free; otherwise its holder is running and the bell
      * makes sure it looks again. */
     if (pthread_mutex_trylock(&s->engine) == 0) {
@@ -624,24 +677,116 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         mp_futex_wake(&me->bell, 1);
 }
 
+/* Publishes this rank's pending ops, in lane order, for the cycle search of every rank. */
+static void publish_pending(shm_t *s, const mp_op *waited)
+{
+    shm_watch *w = shm_watch_at(&s->v, s->base.rank);
+    pthread_mutex_lock(&s->engine);
+    pthread_mutex_lock(&s->lock);
+    atomic_fetch_add_explicit(&w->version, 1, memory_order_acq_rel); /* odd: being rewritten */
+    atomic_thread_fence(memory_order_release);
+    uint32_t n = 0;
+    w->wait_index = -1;
+    w->wait_lane = waited->lane;
+    for (int l = 0; l <= s->base.nlanes; l++) {
+        /* The lanes, then what was posted and not yet moved onto them. */
+        for (mp_step *st = l < s->base.nlanes ? s->lanes[l].head : s->incoming.head; st; st = st->next) {
+            for (int i = 0; i < st->nops && n < SHM_WATCH_OPS; i++) {
+                const mp_op *op = st->ops[i];
+                if (!op)
+                    continue;
+                if (op == waited)
+                    w->wait_index = (int32_t)n;
+                shm_watch_op *o = &w->ops[n++];
+                *o = (shm_watch_op){.seq = op->seq, .nbytes = op->nbytes, .step = op->step, .kind = op->kind,
+                                    .peer = op->peer, .lane = op->lane, .dtype = op->dtype, .label = op->label};
+                snprintf(o->call, sizeof o->call, "%s", op->call_name);
+            }
+        }
+    }
+    w->nops = n;
+    if (atomic_load(&s->watching) > 1)
+        w->wait_index = -2;
+    w->epoch = atomic_load(&my_slot(s)->wait_epoch);
+    atomic_fetch_add_explicit(&w->version, 1, memory_order_release);
+    pthread_mutex_unlock(&s->lock);
+    pthread_mutex_unlock(&s->engine);
+}
+
+static void watch_enter(shm_t *s)
+{
+    atomic_fetch_add(&s->watching, 1);
+    atomic_fetch_add(&my_slot(s)->waiting, 1);
+    atomic_fetch_add(&my_slot(s)->wait_epoch, 1);
+}
+
+static void watch_leave(shm_t *s)
+{
+    atomic_fetch_add(&my_slot(s)->wait_epoch, 1);
+    atomic_fetch_sub(&my_slot(s)->waiting, 1);
+    atomic_fetch_sub(&s->watching, 1);
+}
+
+/* One round of deadlock detection from a blocked wait. `seen`: the cycle of the last round. */
+static void watch_round(shm_t *s, const mp_op *op, shm_cycle **seen)
+{
+    publish_pending(s, op);
+    shm_cycle *cycle = shm_cycle_find(&s->v, s->base.rank, s->eager_threshold);
+    if (cycle && shm_cycle_same(cycle, *seen) && shm_cycle_fence(&s->v, cycle, s->pids))
+        for (int r = 0; r < s->base.size; r++)
+            ring(s, r);
+    shm_cycle_free(*seen);
+    *seen = cycle;
+}
+
 static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)
 {
     shm_t *s = as_shm(t);
     drive(s, op, deadline);
+    double next_round = mp_now() + WATCH_AFTER;
+    int watching = 0;
+    shm_cycle *seen = NULL;
+    mp_result r = MP_OK;
     for (;;) {
         if (mp_op_done(op))
-            return MP_OK;
+            break;
         double now = mp_now();
-        if (now >= deadline)
-            return MP_ERR_TIMEOUT;
+        if (now >= deadline) {
+            r = MP_ERR_TIMEOUT;
+            break;
+        }
+        if (now >= next_round) {
+            if (!watching)
+                watch_enter(s);
+            watching = 1;
+            watch_round(s, op, &seen);
+            next_round = mp_now() + WATCH_PERIOD;
+        }
         /* The progress thread takes over; it bumps `completions` when an op finishes. */
         uint32_t c = atomic_load(&s->completions);
         if (mp_op_done(op))
-            return MP_OK;
+            break;
+        double until = deadline < next_round ? deadline : next_round;
         atomic_fetch_add(&s->waiters, 1);
-        mp_futex_wait(&s->completions, c, deadline - now < 0.1 ? deadline - now : 0.1, 0);
+        mp_futex_wait(&s->completions, c, until - now < 0.1 ? until - now : 0.1, 0);
         atomic_fetch_sub(&s->waiters, 1);
     }
+    if (watching)
+        watch_leave(s);
+    shm_cycle_free(seen);
+    return r;
+}
+
+static void shm_failure_report(mp_transport *t, const mp_op *op, char *buf, size_t len)
+{
+    shm_t *s = as_shm(t);
+    uint32_t fence = atomic_load(&my_slot(s)->fence);
+    if (!fence && op && op->peer >= 0 && op->peer < t->size)
+        fence = atomic_load(&shm_rank_at(&s->v, op->peer)->fence);
+    if (fence)
+        shm_deadlock_report(&s->v, fence, buf, len);
+    else if (len)
+        buf[0] = '\0';
 }
 
 static void shm_describe_peer(mp_transport *t, const mp_op *op, char *buf, size_t len)
@@ -717,6 +862,7 @@ static const mp_transport_ops shm_ops = {
     .destroy = shm_destroy,
     .begin = shm_begin,
     .end = shm_end,
+    .failure_report = shm_failure_report,
 };
 
 /* ---- creation --------------------------------------------------------------------------- */
@@ -828,6 +974,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->probe_word = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s ^ 0x9e3779b97f4a7c15ull;
     me->probe_addr = (uint64_t)(uintptr_t)&s->probe_word;
     me->probe_value = s->probe_word;
+    me->global_rank = cfg->global_rank;
     atomic_store(&me->state, SHM_RANK_ATTACHED);
     atomic_fetch_add(&h->attached, 1);
 

@@ -17,6 +17,7 @@ typedef struct {
     uint64_t eager_threshold; /* sends up to this many bytes complete without a posted receive */
     double timeout;           /* for the other ranks to attach */
     int allow_cma;            /* 0: always copy through shared memory (two copies) */
+    int global_rank;          /* this rank's, for reports other ranks write */
 } mp_shm_config;
 
 #define MP_SHM_NAME_LEN 64

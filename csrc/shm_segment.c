@@ -36,6 +36,10 @@ void shm_layout_compute(int size, int nlanes, uint64_t eager_threshold, shm_layo
     off = round_up(off + n * sizeof(shm_rank), 64);
     out->cma = off;
     off = round_up(off + n * n, 64);
+    out->watch = off;
+    off = round_up(off + n * sizeof(shm_watch), 64);
+    out->reports = off;
+    off = round_up(off + (uint64_t)SHM_REPORTS * SHM_REPORT_BYTES, 64);
     out->chans = off;
     off = round_up(off + out->nchans * sizeof(shm_chan), 4096);
     out->inline_data = off;

@@ -11,10 +11,13 @@
 #include "result.h"
 
 #define SHM_MAGIC 0x6d70327073686d31ULL /* "mp2pshm1" */
-#define SHM_VERSION 1u
+#define SHM_VERSION 2u
 #define SHM_NSLOTS 8u          /* descriptors in flight per channel (NCCL-like buffering depth) */
 #define SHM_NCHUNKS 4u         /* bounce-buffer chunks per channel (two-copy path) */
 #define SHM_INLINE_BYTES 4096u /* messages up to this size travel inside the descriptor slot */
+#define SHM_WATCH_OPS 16u      /* pending ops a blocked rank publishes for deadlock detection */
+#define SHM_REPORTS 4u         /* deadlock reports a segment keeps (one per cycle found) */
+#define SHM_REPORT_BYTES 8192u
 
 enum { SHM_RANK_EMPTY = 0, SHM_RANK_ATTACHED = 1, SHM_RANK_READY = 2, SHM_RANK_CLOSED = 3 };
 enum { SHM_PATH_INLINE = 0, SHM_PATH_CMA = 1, SHM_PATH_BOUNCE = 2 };
@@ -27,7 +30,37 @@ typedef struct {
     _Atomic uint32_t driving;  /* threads of the rank progressing from a wait: no wake needed */
     uint64_t probe_addr;       /* address of a word peers read to test single-copy access */
     uint64_t probe_value;
+    int32_t global_rank;       /* for reports other ranks write */
+    _Atomic uint32_t waiting;  /* threads of the rank blocked in a wait for a while */
+    _Atomic uint32_t wait_epoch; /* bumped whenever one enters or leaves such a wait, or the rank posts */
+    _Atomic uint32_t fence;    /* 0, or 1 + the report of the deadlock this rank is in */
 } shm_rank;
+
+/* One pending op, as a blocked rank publishes it for the others' cycle search. */
+typedef struct {
+    uint64_t seq;
+    uint64_t nbytes;
+    uint64_t step; /* k-th step on its lane: ops of one group share it */
+    int32_t kind;
+    int32_t peer;
+    int32_t lane;
+    int32_t dtype;
+    int32_t label;
+    int32_t reserved;
+    char call[40];
+} shm_watch_op;
+
+/* What a blocked rank has pending, in lane order: rewritten by its waiting thread under a
+ * sequence count, read by any rank looking for a cycle. */
+typedef struct {
+    _Atomic uint32_t version; /* odd while being rewritten */
+    uint32_t epoch;           /* the shm_rank.wait_epoch it describes */
+    uint32_t nops;
+    int32_t wait_index;       /* ops[] entry the rank waits on; -1 beyond them, -2 several waits */
+    int32_t wait_lane;
+    int32_t reserved;
+    shm_watch_op ops[SHM_WATCH_OPS];
+} shm_watch;
 
 /* A send descriptor. The sender fills the first part before publishing it; the receiver fills
  * the second part before bumping `done`. */
@@ -47,9 +80,11 @@ typedef struct {
 typedef struct {
     alignas(64) _Atomic uint64_t posted; /* descriptors published by the sender */
     _Atomic uint64_t produced;           /* bounce chunks written, cumulative */
+    _Atomic uint64_t send_issued;        /* sends the sender has posted, active or queued */
     alignas(64) _Atomic uint64_t done;   /* receives finished by the receiver */
     _Atomic uint64_t recv_posted;        /* receives the receiver has made active */
     _Atomic uint64_t consumed;           /* bounce chunks read, cumulative */
+    _Atomic uint64_t recv_issued;        /* receives the receiver has posted, active or queued */
     alignas(64) shm_slot slots[SHM_NSLOTS];
 } shm_chan;
 
@@ -67,10 +102,13 @@ typedef struct {
     _Atomic uint32_t ready;
     _Atomic uint32_t abort_cause; /* mp_result; the first cause wins */
     _Atomic int32_t abort_rank;
+    _Atomic uint32_t fenced;       /* ranks fenced as deadlocked: engines look closer when nonzero */
+    _Atomic uint32_t detect_lock;  /* 1 + the rank writing a deadlock report, or 0 */
+    uint32_t reports_used;         /* guarded by detect_lock */
 } shm_header;
 
 typedef struct {
-    uint64_t ranks, cma, chans, inline_data, bounce, total; /* byte offsets */
+    uint64_t ranks, cma, watch, reports, chans, inline_data, bounce, total; /* byte offsets */
     uint64_t slot_bytes, chunk_bytes;
     uint32_t nchans;
 } shm_layout;
@@ -89,6 +127,8 @@ static inline _Atomic uint8_t *shm_cma_at(const shm_view *v, int reader, int own
 {
     return (_Atomic uint8_t *)(v->base + v->lay.cma) + (size_t)reader * (size_t)v->size + (size_t)owner;
 }
+static inline shm_watch *shm_watch_at(const shm_view *v, int r) { return (shm_watch *)(v->base + v->lay.watch) + r; }
+static inline char *shm_report_at(const shm_view *v, uint32_t i) { return v->base + v->lay.reports + (uint64_t)i * SHM_REPORT_BYTES; }
 static inline uint32_t shm_chan_index(const shm_view *v, int lane, int src, int dst)
 {
     return ((uint32_t)lane * (uint32_t)v->size + (uint32_t)src) * (uint32_t)v->size + (uint32_t)dst;

@@ -38,6 +38,8 @@ typedef struct {
     void (*progress)(mp_transport *t);
     /* Makes `stream` wait for `op` without blocking the host. */
     mp_result (*stream_wait)(mp_transport *t, mp_op *op, void *stream);
+    /* A longer account of why `op` failed (a deadlock report), or "" when there is none. */
+    void (*failure_report)(mp_transport *t, const mp_op *op, char *buf, size_t len);
 } mp_transport_ops;
 
 struct mp_transport {

@@ -179,8 +179,9 @@ def test_abort_on_one_rank_fails_the_peers_pending_wait_fast(cases):
 
 
 def test_receive_without_sender_times_out_with_a_report_of_the_pending_op(cases):
-    """irecv of 4096 bytes from rank 1, which never sends: P2PTimeoutError (also a TimeoutError)
-    within the timeout plus slack, naming the op's kind, peer, size, lane and message number."""
+    """irecv of 4096 bytes from rank 1, which computes and never sends: P2PTimeoutError (also a
+    TimeoutError, and not a DeadlockError: the peer is not waiting) within the timeout plus
+    slack, naming the op's kind, peer, size, lane and message number."""
     receiver = section(cases, "timeout")[0]
     assert receiver["timeout"] == CASE_TIMEOUT
     r = receiver["no_sender"]
@@ -197,8 +198,9 @@ def test_late_sender_within_the_timeout_is_not_reported(cases):
 
 
 def test_silent_peer_sees_the_timeout_abort_fast(cases):
-    """Rank 1 waits (timeout 120 s) on a receive from rank 0, which times out after 3 s: rank 1
-    raises P2PTimeoutError right after, listing its own pending op."""
+    """Rank 1 computes past rank 0's 3 s timeout, then waits (timeout 120 s) on a receive from
+    rank 0: the abort is already there, and it raises P2PTimeoutError at once, listing its own
+    pending op."""
     r = section(cases, "timeout")[1]["silent_peer"]
     assert_raised(r, "P2PTimeoutError", "irecv from rank 0", "timed out")
     assert r["elapsed"] < CASE_TIMEOUT + SLACK, r["elapsed"]

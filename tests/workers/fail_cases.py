@@ -166,7 +166,9 @@ def abort(torch, mp, comm):
 
 def timeout(torch, mp, comm, secs):
     """First a late sender inside the timeout (completes), then a receive with no sender at all:
-    rank 0 times out; rank 1 posts nothing it could match and waits with a long timeout."""
+    rank 0 times out. Rank 1 posts nothing it could match and computes meanwhile (were it
+    waiting too, the two waits would be a deadlock, raised at once), then waits with a long
+    timeout."""
     peer = comm.next_rank
     out = {"timeout": comm.timeout}
     if comm.rank == 0:
@@ -180,6 +182,7 @@ def timeout(torch, mp, comm, secs):
         time.sleep(min(1.0, secs / 3))
         comm.isend(torch.full((1024,), 5.0), peer).wait()
         req = comm.irecv(torch.zeros(16, dtype=torch.int64), peer)  # from the rank that will time out
+        time.sleep(secs + 1.0)
         out["silent_peer"] = caught(lambda: req.wait(timeout=120.0))
     return out
 

@@ -1,0 +1,76 @@
+"""Deadlocks at run time: a wait-for cycle among ranks that are all blocked in waits is raised as
+DeadlockError on exactly the ranks of the cycle, within a second, whatever the timeout (60 s
+here), naming every rank and op of the cycle. Ranks that compute, or wait on a busy peer, are
+never reported. One 4-rank job runs every case (tests/workers/deadlock_cases.py)."""
+import pytest
+
+from conftest import run_job
+
+DETECTION_LIMIT = 1.0  # seconds from the cycle forming to the error; the goal is 0.1
+
+
+@pytest.fixture(scope="module")
+def cases():
+    job = run_job("deadlock_cases.py", 4, timeout=240).ok()
+    return [res["value"] for res in job]
+
+
+def test_two_rank_cycle_inside_four_raises_deadlock_error_on_exactly_those_two_within_a_second(cases):
+    for rank in (0, 1):
+        res = cases[rank]["partial"]
+        assert res["type"] == "DeadlockError", (rank, res)
+        assert "P2PTimeoutError" in res["mro"] and "TimeoutError" in res["mro"]
+        assert res["elapsed"] < DETECTION_LIMIT, (rank, res["elapsed"])
+        msg = res["msg"]
+        assert "deadlock: ranks 0 -> 1 -> 0" in msg, msg
+        for me, peer in ((0, 1), (1, 0)):
+            assert f"rank {me} (pid" in msg and f"is blocked on isend to rank {peer}: 4096 bytes of float32, lane 0, " \
+                   f"message #0, posted by send_forward_recv_forward" in msg, msg
+
+
+def test_ranks_exchanging_beside_a_cycle_finish_undisturbed(cases):
+    for rank in (2, 3):
+        assert cases[rank]["partial"]["type"] is None, cases[rank]["partial"]
+
+
+def test_three_rank_cycle_names_every_rank_and_op(cases):
+    for rank in (0, 1, 2):
+        res = cases[rank]["three"]
+        assert res["type"] == "DeadlockError" and res["elapsed"] < DETECTION_LIMIT, (rank, res)
+        msg = res["msg"]
+        assert "deadlock: ranks 0 -> 1 -> 2 -> 0" in msg, msg
+        for me in range(3):
+            assert f"rank {me} (pid" in msg and f"blocked on isend to rank {(me + 1) % 3}" in msg, msg
+        assert "has posted the matching receive, but it is queued on lane 0" in msg
+
+
+def test_cycle_through_lane_order_is_reported(cases):
+    """Each rank waits on a send queued on lane 1 behind a receive whose sender is queued the same
+    way: no rank lacks a posted op, yet lane order makes it a cycle."""
+    for rank in (0, 1):
+        res = cases[rank]["lane_order"]
+        assert res["type"] == "DeadlockError" and res["elapsed"] < DETECTION_LIMIT, (rank, res)
+        assert f"is blocked on irecv from rank {1 - rank}: 256 bytes of float32, lane 1, message #0, posted by " \
+               "recv_backward" in res["msg"], res["msg"]
+
+
+def test_rank_waiting_on_a_cycle_member_gets_the_report_as_a_p2p_error(cases):
+    res = cases[2]["waiter"]
+    assert res["type"] == "P2PError", res
+    assert res["elapsed"] < DETECTION_LIMIT + 1.0, res
+    assert "rank 0, which this op needs, is in a wait-for cycle" in res["msg"]
+    assert "deadlock: ranks 0 -> 1 -> 0" in res["msg"]
+    for rank in (0, 1):
+        assert cases[rank]["waiter"]["type"] == "DeadlockError", cases[rank]["waiter"]
+
+
+def test_rank_computing_for_three_seconds_before_posting_is_not_reported(cases):
+    sender, receiver = cases[0]["compute"], cases[1]["compute"]
+    assert sender["type"] is None and receiver["type"] is None, (sender, receiver)
+    assert sender["elapsed"] > 2.5  # it did wait for the computing rank, unreported
+    assert receiver["exact"]
+
+
+def test_waiting_on_a_peer_that_waits_on_a_computing_peer_is_not_reported(cases):
+    for rank in (0, 1, 2):
+        assert cases[rank]["busy_chain"]["type"] is None, (rank, cases[rank]["busy_chain"])

@@ -1,0 +1,147 @@
+"""Deadlocks at run time, one section each on communicators of their own, on 4 ranks:
+
+  partial      ranks 0 and 1 both send first to each other (a 2-rank cycle) while ranks 2 and 3
+               exchange with each other; the timeout is 60 s
+  three        ranks 0, 1, 2 each send to the next before receiving (a 3-rank cycle)
+  lane_order   two ranks, each waiting on a send queued on its lane behind a receive whose sender
+               is queued the same way (a cycle through lane order)
+  waiter       ranks 0 and 1 in a cycle; rank 2 waits on a receive from rank 0
+  compute      rank 1 computes for 3 s before posting the receive rank 0 waits on
+  busy_chain   rank 0 waits on rank 1, which waits on rank 2, which computes for 2 s
+
+Each rank records what it raised, how long after the cycle formed, and its message."""
+import time
+
+import harness
+
+TIMEOUT = 60.0
+
+
+def caught(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "msg": str(exc),
+                "elapsed": time.monotonic() - start}
+    return {"type": None, "elapsed": time.monotonic() - start}
+
+
+def wait_all(reqs):
+    for r in reqs:
+        r.wait()
+
+
+def send_first(torch, comm, peer_send, peer_recv, numel=1024, call="send_first"):
+    """isend to one peer, then irecv from another, one by one on lane 0: under strict
+    rendezvous the receive is queued behind a send that needs it."""
+    out = torch.full((numel,), float(comm.global_rank))
+    buf = torch.zeros(numel)
+    wait_all([comm.isend(out, peer_send, call=call), comm.irecv(buf, peer_recv, call=call)])
+
+
+def partial(torch, dist, mp, me):
+    with mp.init_communicator(timeout=TIMEOUT) as comm:
+        dist.barrier()
+        if me in (0, 1):
+            return caught(lambda: send_first(torch, comm, 1 - me, 1 - me, call="send_forward_recv_forward"))
+        # Ranks 2 and 3 exchange with each other meanwhile, and must not be disturbed.
+        peer = 5 - me
+
+        def exchanges():
+            for i in range(200):
+                a, b = torch.full((256,), float(i)), torch.zeros(256)
+                ops = [(True, a, peer), (False, b, peer)]
+                wait_all(comm.batch(ops, call="pair_exchange"))
+                assert bool((b == i).all())
+        return caught(exchanges)
+
+
+def three(torch, dist, mp, me):
+    group = dist.new_group([0, 1, 2])
+    if me == 3:
+        return None
+    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
+        dist.barrier(group)
+        return caught(lambda: send_first(torch, comm, comm.next_rank, comm.prev_rank))
+
+
+def lane_order(torch, dist, mp, me):
+    group = dist.new_group([0, 1])
+    if me > 1:
+        return None
+    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
+        dist.barrier(group)
+        peer = 1 - me
+
+        def body():
+            buf, out = torch.zeros(64), torch.ones(64)
+            comm.batch([(False, buf, peer)], lane=1, call="recv_backward")  # queued first on lane 1
+            comm.batch([(True, out, peer)], lane=1, call="send_backward")[0].wait()
+        return caught(body)
+
+
+def waiter(torch, dist, mp, me):
+    group = dist.new_group([0, 1, 2])
+    if me == 3:
+        return None
+    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
+        dist.barrier(group)
+        if me in (0, 1):
+            return caught(lambda: send_first(torch, comm, 1 - me, 1 - me))
+        return caught(lambda: comm.irecv(torch.zeros(16), 0, call="recv_forward").wait())
+
+
+def compute(torch, dist, mp, me):
+    group = dist.new_group([0, 1])
+    if me > 1:
+        return None
+    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
+        dist.barrier(group)
+        if me == 0:
+            return caught(lambda: comm.isend(torch.ones(1024), 1, call="send_forward").wait())
+        time.sleep(3.0)
+        buf = torch.zeros(1024)
+        res = caught(lambda: comm.irecv(buf, 0, call="recv_forward").wait())
+        res["exact"] = bool((buf == 1).all())
+        return res
+
+
+def busy_chain(torch, dist, mp, me):
+    group = dist.new_group([0, 1, 2])
+    if me == 3:
+        return None
+    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
+        dist.barrier(group)
+        if me == 0:
+            return caught(lambda: comm.irecv(torch.zeros(8), 1).wait())
+        if me == 1:
+            def relay():
+                buf = torch.zeros(8)
+                comm.irecv(buf, 2).wait()
+                comm.isend(buf, 0).wait()
+            return caught(relay)
+        time.sleep(2.0)
+        return caught(lambda: comm.isend(torch.ones(8), 1).wait())
+
+
+SECTIONS = {"partial": partial, "three": three, "lane_order": lane_order, "waiter": waiter, "compute": compute,
+            "busy_chain": busy_chain}
+
+
+def body(params):
+    import torch
+    import torch.distributed as dist
+
+    import megatron_p2p as mp
+
+    dist.init_process_group("gloo")
+    me = dist.get_rank()
+    results = {}
+    for name in params.get("sections", list(SECTIONS)):
+        results[name] = SECTIONS[name](torch, dist, mp, me)
+        dist.barrier()
+    return results
+
+
+harness.run(body)
