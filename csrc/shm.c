@@ -677,7 +677,25 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         mp_futex_wake(&me->bell, 1);
 }
 
-/* Publishes this rank's pending ops, in lane order, for the cycle search of every rank. */
+/* Appends the pending ops of `st` to the published list. */
+static void publish_step(shm_watch *w, uint32_t *n, const mp_step *st, const mp_op *waited)
+{
+    for (int i = 0; i < st->nops && *n < SHM_WATCH_OPS; i++) {
+        const mp_op *op = st->ops[i];
+        if (!op)
+            continue;
+        if (op == waited)
+            w->wait_index = (int32_t)*n;
+        shm_watch_op *o = &w->ops[(*n)++];
+        *o = (shm_watch_op){.seq = op->seq, .nbytes = op->nbytes, .step = op->step, .kind = op->kind,
+                            .peer = op->peer, .lane = op->lane, .dtype = op->dtype, .label = op->label};
+        snprintf(o->call, sizeof o->call, "%s", op->call_name);
+    }
+}
+
+/* Publishes this rank's pending ops for the cycle search of every rank: each lane's head step
+ * first (what the search needs most), then the rest in lane order, then what was posted and
+ * not yet moved onto the lanes. */
 static void publish_pending(shm_t *s, const mp_op *waited)
 {
     shm_watch *w = shm_watch_at(&s->v, s->base.rank);
@@ -688,22 +706,14 @@ static void publish_pending(shm_t *s, const mp_op *waited)
     uint32_t n = 0;
     w->wait_index = -1;
     w->wait_lane = waited->lane;
-    for (int l = 0; l <= s->base.nlanes; l++) {
-        /* The lanes, then what was posted and not yet moved onto them. */
-        for (mp_step *st = l < s->base.nlanes ? s->lanes[l].head : s->incoming.head; st; st = st->next) {
-            for (int i = 0; i < st->nops && n < SHM_WATCH_OPS; i++) {
-                const mp_op *op = st->ops[i];
-                if (!op)
-                    continue;
-                if (op == waited)
-                    w->wait_index = (int32_t)n;
-                shm_watch_op *o = &w->ops[n++];
-                *o = (shm_watch_op){.seq = op->seq, .nbytes = op->nbytes, .step = op->step, .kind = op->kind,
-                                    .peer = op->peer, .lane = op->lane, .dtype = op->dtype, .label = op->label};
-                snprintf(o->call, sizeof o->call, "%s", op->call_name);
-            }
-        }
-    }
+    for (int l = 0; l < s->base.nlanes; l++)
+        if (s->lanes[l].head)
+            publish_step(w, &n, s->lanes[l].head, waited);
+    for (int l = 0; l < s->base.nlanes; l++)
+        for (mp_step *st = s->lanes[l].head ? s->lanes[l].head->next : NULL; st; st = st->next)
+            publish_step(w, &n, st, waited);
+    for (mp_step *st = s->incoming.head; st; st = st->next)
+        publish_step(w, &n, st, waited);
     w->nops = n;
     if (atomic_load(&s->watching) > 1)
         w->wait_index = -2;

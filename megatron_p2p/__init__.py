@@ -14,6 +14,10 @@ What you get:
 - every wait bounded: P2PTimeoutError lists the pending ops and aborts the communicator so
   peers fail too; a dead peer raises PeerFailureError; a size or dtype disagreement raises
   MismatchError on both sides;
+- deadlocks named at once (shm): ranks that are all blocked in waits, each needing the next to
+  post an op it has not posted, raise DeadlockError within about 50 ms, whatever the timeout,
+  with one line per rank of the cycle (op, peer, bytes, dtype, lane, message number, the call
+  that posted it, and what the peer has posted); ranks only waiting on them get the same report;
 - on GPUs (backend="nccl" or "auto"), NCCL grouped send/recv on dedicated CUDA streams, one
   NCCL communicator per lane, libnccl found at run time (nccl_version() says which);
   Request.wait() makes the current stream wait, Request.synchronize() blocks the host.
@@ -30,6 +34,7 @@ Megatron drop-in (megatron-core 0.14+ and the older module-level functions):
 from ._C import (
     BackendUnavailableError,
     Communicator,
+    DeadlockError,
     MismatchError,
     P2PError,
     P2PTimeoutError,
@@ -45,6 +50,7 @@ from .p2p_communication import P2PCommunicator
 __all__ = [
     "BackendUnavailableError",
     "Communicator",
+    "DeadlockError",
     "MismatchError",
     "NcclVersion",
     "P2PError",

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, nccl
+from . import _C, flight_recorder, nccl
 
 BACKENDS = ("shm", "nccl", "auto")
 _STORE_PREFIX = "megatron_p2p"
@@ -132,6 +132,7 @@ def init_communicator(
             )
         relay.watch(comm)
     _live.add(comm)
+    flight_recorder.install(comm)
     return comm
 
 
