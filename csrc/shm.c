@@ -737,9 +737,40 @@ static void watch_leave(shm_t *s)
     atomic_fetch_sub(&s->watching, 1);
 }
 
+/* Ops of the active steps whose peer closed the communicator without posting their partner can
+ * never complete (a closed rank posts nothing more): they fail now rather than at the timeout. */
+static void fail_departed_peers(shm_t *s)
+{
+    pthread_mutex_lock(&s->engine);
+    for (int l = 0; l < s->base.nlanes; l++) {
+        mp_step *step = s->lanes[l].head;
+        if (!step || !step->activated)
+            continue;
+        for (int i = 0; i < step->nops; i++) {
+            mp_op *op = step->ops[i];
+            if (!op || op->peer == s->base.rank ||
+                atomic_load(&shm_rank_at(&s->v, op->peer)->state) != SHM_RANK_CLOSED)
+                continue;
+            shm_chan *ch = op->kind == MP_SEND
+                               ? shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, s->base.rank, op->peer))
+                               : shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
+            uint64_t partners = op->kind == MP_SEND ? atomic_load(&ch->recv_posted) : atomic_load(&ch->posted);
+            if (partners > op->seq)
+                continue;
+            snprintf(op->detail, sizeof op->detail, "rank %d closed the communicator without posting the matching %s",
+                     op->peer_global, op->kind == MP_SEND ? "receive" : "send");
+            finish(s, step, op, MP_ERR_CLOSED);
+        }
+    }
+    pthread_mutex_unlock(&s->engine);
+}
+
 /* One round of deadlock detection from a blocked wait. `seen`: the cycle of the last round. */
 static void watch_round(shm_t *s, const mp_op *op, shm_cycle **seen)
 {
+    fail_departed_peers(s);
+    if (mp_op_done(op))
+        return;
     publish_pending(s, op);
     shm_cycle *cycle = shm_cycle_find(&s->v, s->base.rank, s->eager_threshold);
     if (cycle && shm_cycle_same(cycle, *seen) && shm_cycle_fence(&s->v, cycle, s->pids))

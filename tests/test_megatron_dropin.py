@@ -348,6 +348,20 @@ def test_patch_megatron_swaps_runs_and_unpatches(job):
         assert got["run"] == res["1f1b pp4"]["stock"]["value"], rank
 
 
+def test_naive_order_in_megatron_cores_real_1f1b_raises_deadlock_error_well_under_the_timeout(job):
+    """megatron-core's real 1F1B, our communicator posting every op by itself with sends first on
+    one lane: the ranks that form the cycle raise DeadlockError naming it within a few seconds of a
+    60 s timeout, and every rank fails instead of hanging. Paired with the correct order above,
+    which raises nothing and gives megatron-core's own losses."""
+    results = [res["naive_order"] for res in section(job, "schedules")]
+    types = [r["type"] for r in results]
+    assert "DeadlockError" in types and None not in types, results
+    for r in results:
+        assert r["elapsed"] < 10.0, results  # far from the 60 s timeout
+    cycle = next(r["msg"] for r in results if r["type"] == "DeadlockError")
+    assert "deadlock: ranks" in cycle and "posted by naive send_" in cycle, cycle
+
+
 def test_patch_megatron_is_reversible_in_process(mcore):
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     original = mcore.P2PCommunicator, mcore._p2p_ops, mcore._batched_p2p_ops, schedules.P2PCommunicator

@@ -697,6 +697,60 @@ def section_schedules(ctx):
             ctx["dist"].barrier()
         out[name] = res
     out["patch_megatron"] = guarded(patched_run, ctx)
+    out["naive_order"] = naive_order_run(ctx)
+    return out
+
+
+NAIVE_TIMEOUT = 60.0
+
+
+def naive_order_run(ctx):
+    """megatron-core's real 1F1B over 4 stages with our communicator made wrong on purpose: every
+    op of an exchange posted by itself, sends first, on one lane (the order parity exists to
+    avoid). It must raise DeadlockError well under the 60 s timeout, not hang. Runs on a
+    communicator of its own, since a deadlock leaves it unusable for the ranks involved."""
+    mp, torch = ctx["mp"], ctx["torch"]
+
+    class NaiveOrder(mp.P2PCommunicator):
+        def _exchange(self, **ops):
+            ops.pop("call", None)
+            reqs = {}
+            for name in ("send_next", "send_prev", "recv_prev", "recv_next"):
+                if ops.get(name) is None:
+                    continue
+                peer = self.next_rank if name.endswith("next") else self.prev_rank
+                post = self.comm.isend if name.startswith("send") else self.comm.irecv
+                reqs[name] = post(ops[name], peer, call=f"naive {name}")
+            return reqs
+
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    rank, pp_ranks = ctx["rank"], [0, 1, 2, 3]
+    cfg = ctx["MPC"](pipeline_model_parallel_size=4, pipeline_dtype=torch.float32, batch_p2p_comm=False)
+    cfg.hidden_size = ctx["hidden"]
+    model = make_stage(torch, cfg, ctx["hidden"], 1000 + rank, rank == 0, rank == 3)
+    model.model_type = ModelType.encoder_or_decoder
+
+    def forward_step(data_iterator, model):
+        x = next(data_iterator) if model.first else model.input_tensor
+        return model(x), loss_func
+
+    start = time.monotonic()
+    out = {"type": None}
+    with mp.init_communicator(ctx["world_group"], timeout=NAIVE_TIMEOUT) as comm:
+        try:
+            with ctx["cuda_to_cpu"]():
+                schedules.forward_backward_pipelining_without_interleaving(
+                    forward_step_func=forward_step, data_iterator=batches(torch, ctx["hidden"], 8, False),
+                    model=model, num_microbatches=8, seq_length=3, micro_batch_size=2,
+                    p2p_communicator=NaiveOrder(ctx["groups"][tuple(pp_ranks)], cfg, comm=comm),
+                    pg_collection=ProcessGroupCollection(tp=ctx["self_group"], cp=ctx["self_group"]))
+        except Exception as exc:  # the test asserts on what was raised, and when
+            out = {"type": type(exc).__name__, "msg": str(exc)}
+    out["elapsed"] = time.monotonic() - start
+    ctx["dist"].barrier()
     return out
 
 
