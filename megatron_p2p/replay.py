@@ -31,6 +31,7 @@ _KEY = "megatron_p2p/replay"
 # Verdicts by precedence: one rank's MismatchError explains its peers' later failures, not the
 # other way round.
 _VERDICTS = ("mismatch", "data", "deadlock", "timeout", "error")
+_STUCK = ("wait-for cycle", "closed the communicator without posting")
 
 
 def payload(sender: int, label: str, nbytes: int) -> torch.Tensor:
@@ -111,6 +112,19 @@ class _Rank:
             out += reqs
         return out
 
+    def finished_failures(self) -> list[BaseException]:
+        """What the finished ops raise: a rank that stops at one failure may hold others that
+        explain it (a receive that mismatched before the rank blocked elsewhere)."""
+        out = []
+        for reqs in self.reqs:
+            for r in reqs:
+                if r.is_completed():
+                    try:
+                        r.wait()
+                    except Exception as exc:  # collected, not raised
+                        out.append(exc)
+        return out
+
     def run(self) -> None:
         for i in range(self.program.num_calls(self.me)):
             call = self.program.call(self.me, i)
@@ -143,7 +157,9 @@ def _classify(exc: BaseException) -> str:
         return "mismatch"
     if isinstance(exc, _DataError):
         return "data"
-    if isinstance(exc, mp.DeadlockError) or "wait-for cycle" in str(exc):
+    # Stuck for good: a wait-for cycle, or a wait on a rank that finished without posting the
+    # partner (the checker's "deadlock" covers both).
+    if isinstance(exc, mp.DeadlockError) or any(why in str(exc) for why in _STUCK):
         return "deadlock"
     if isinstance(exc, mp.P2PTimeoutError):
         return "timeout"
@@ -161,7 +177,11 @@ def _run_one(program: prog.Program, backend: str, timeout: float, me: int) -> di
     try:
         with init_communicator(group, backend, timeout, lanes=program.lanes, eager_threshold=program.eager_threshold,
                                device=device if backend == "nccl" else None) as comm:
-            _Rank(program, comm, me, device).run()
+            rank = _Rank(program, comm, me, device)
+            try:
+                rank.run()
+            except Exception as exc:
+                raise min([exc, *rank.finished_failures()], key=lambda e: _VERDICTS.index(_classify(e)))
     except Exception as exc:  # the verdict is what was raised
         return {"rank": me, "outcome": _classify(exc), "error": f"{type(exc).__name__}: {exc}"}
     return {"rank": me, "outcome": "ok"}

@@ -1,133 +1,55 @@
-"""The schedule, checked offline: the plan's steps for every rank are run through a simulator of
-the transport semantics (lanes in issue order, groups progressing together, k-th send meets
-k-th receive per pair, direction and lane, strict rendezvous). Every mode must complete and
-pair activations with activations and gradients with gradients for every size from 1 to 64,
-on chains and rings. By Siegel and Avrunin, completing without buffering means no amount of
-buffering can make these programs deadlock."""
-from __future__ import annotations
+"""The schedule, checked offline: every rank's exchange calls, expanded by the C plan, are run
+through the package's simulator of the transport semantics (lanes in issue order, groups
+progressing together, k-th send meets k-th receive per pair, direction and lane, strict
+rendezvous). Every mode must complete and pair activations with activations and gradients with
+gradients for every size from 1 to 64, on chains and rings. By Siegel and Avrunin, completing
+without buffering means no amount of buffering can make these programs deadlock.
 
-import functools
-from dataclasses import dataclass
-from typing import Callable, Iterable
+Activations and gradients get different sizes, so a receive handed the wrong direction's
+message is a MISMATCH."""
+from __future__ import annotations
 
 import pytest
 
 from megatron_p2p import _C
+from megatron_p2p.program import Program, ProgramBuilder
+from megatron_p2p.simulate import simulate
 
-SENDS = {"send_next": "activation", "send_prev": "gradient"}
-RECVS = {"recv_prev": "activation", "recv_next": "gradient"}
 ALL_OPS = ("send_next", "recv_prev", "send_prev", "recv_next")
-
-PlanFn = Callable[[str, int, int, Iterable[str], bool, bool], list]
-
-
-@dataclass
-class Op:
-    name: str
-    rank: int
-    peer: int
-    lane: int
-    step: int
-    seq: int
-    done: bool = False
-    got: str = ""
-
-    def channel(self) -> tuple[int, int, int, int]:
-        """(src, dst, lane, seq): the same for a send and the receive it must meet."""
-        src, dst = (self.rank, self.peer) if self.name in SENDS else (self.peer, self.rank)
-        return (src, dst, self.lane, self.seq)
+ACT, GRAD = 4096, 2048
+MODES = [("parity", 1), ("parity", 2), ("batched", 1), ("batched", 2)]
 
 
-Program = dict[tuple[int, int], list[list[Op]]]  # (rank, lane) -> steps in issue order
+def spec(slot: str, rank: int, size: int, k: int) -> tuple[int, str, str]:
+    """(bytes, dtype, label) of one op: activations forward, gradients backward."""
+    forward = slot in ("send_next", "recv_prev")
+    src = rank if slot.startswith("send") else (rank - 1) % size if forward else (rank + 1) % size
+    return (ACT if forward else GRAD, "float32", f"{'act' if forward else 'grad'} {k} from {src}")
 
 
-@functools.lru_cache(maxsize=None)
-def _c_plan(mode, lanes, parity, ops, prev_self, next_self):
-    return _C.plan(mode, lanes, parity, sorted(ops), prev_self, next_self)
+def exchange_program(size: int, calls: list[list[set[str]]], mode: str, lanes: int) -> Program:
+    """Each rank's exchange calls, expanded by the runtime's plan."""
+    builder = ProgramBuilder(size, lanes)
+    for r in range(size):
+        for k, ops in enumerate(calls[r]):
+            builder.exchange(r, mode=mode, **{s: spec(s, r, size, k) for s in ops})
+    return builder.build()
 
 
-def c_plan(mode, lanes, rank, ops, prev_self, next_self):
-    """The C plan; it depends on the rank only through its parity."""
-    return _c_plan(mode, lanes, rank % 2, frozenset(ops), prev_self, next_self)
-
-
-def megatron_batched_plan(mode, lanes, rank, ops, prev_self, next_self):
+def megatron_batched_program(size: int, calls: list[list[set[str]]]) -> Program:
     """megatron-core's _batched_p2p_ops: one group in its fixed order, on one stream."""
     order = ("send_prev", "recv_prev", "send_next", "recv_next")
-    return [(0, tuple(o for o in order if o in ops))]
-
-
-def build(size: int, calls: list[list[set[str]]], mode: str, lanes: int, plan: PlanFn) -> Program:
-    """Issues each rank's exchange calls through `plan`, numbering ops per channel as the
-    bindings do."""
-    program: Program = {}
+    builder = ProgramBuilder(size, 1)
     for r in range(size):
-        prev, nxt = (r - 1) % size, (r + 1) % size
-        counters: dict[tuple, int] = {}
-        for call in calls[r]:
-            for lane, names in plan(mode, lanes, r, call, prev == r, nxt == r):
-                steps = program.setdefault((r, lane), [])
-                step = []
-                for name in names:
-                    peer = nxt if name.endswith("next") else prev
-                    key = (lane, name in SENDS, peer)
-                    step.append(Op(name, r, peer, lane, len(steps), counters.get(key, 0)))
-                    counters[key] = counters.get(key, 0) + 1
-                steps.append(step)
-    return program
-
-
-def simulate(program: Program) -> tuple[list[str], list[str]]:
-    """Runs to quiescence under strict rendezvous; returns (ops left pending, receives that got
-    the wrong payload). Only the head step of a lane is active; a send and its receive
-    complete together once both are active."""
-    by_channel: dict[tuple, dict[bool, Op]] = {}
-    for steps in program.values():
-        for step in steps:
-            for op in step:
-                by_channel.setdefault(op.channel(), {})[op.name in SENDS] = op
-    heads = {key: 0 for key in program}
-
-    def is_active(op: Op) -> bool:
-        return heads[(op.rank, op.lane)] == op.step
-
-    work = list(program)  # lanes to look at again
-    queued = set(work)
-    while work:
-        key = work.pop()
-        queued.discard(key)
-        steps = program[key]
-        while heads[key] < len(steps):
-            step = steps[heads[key]]
-            for op in step:
-                if op.done:
-                    continue
-                other = by_channel[op.channel()].get(op.name not in SENDS)
-                if other is not None and not other.done and is_active(other):
-                    send, recv = (op, other) if op.name in SENDS else (other, op)
-                    send.done = recv.done = True
-                    recv.got = SENDS[send.name]
-                    peer_key = (other.rank, other.lane)
-                    if peer_key not in queued:  # its step may now be complete
-                        queued.add(peer_key)
-                        work.append(peer_key)
-            if not all(op.done for op in step):
-                break
-            heads[key] += 1
-            for op in steps[heads[key]] if heads[key] < len(steps) else ():
-                peer_key = (op.peer, op.lane)  # a newly active op may complete a waiting peer
-                if peer_key in program and peer_key not in queued:
-                    queued.add(peer_key)
-                    work.append(peer_key)
-    pending, wrong = [], []
-    for steps in program.values():
-        for step in steps:
-            for op in step:
-                if not op.done:
-                    pending.append(f"rank {op.rank} {op.name} (peer {op.peer}, lane {op.lane})")
-                elif op.name in RECVS and op.got != RECVS[op.name]:
-                    wrong.append(f"rank {op.rank} {op.name} received a {op.got}")
-    return pending, wrong
+        for k, ops in enumerate(calls[r]):
+            group = []
+            for s in order:
+                if s in ops:
+                    peer = (r + 1) % size if s.endswith("next") else (r - 1) % size
+                    nbytes, dtype, label = spec(s, r, size, k)
+                    group.append(("send" if s.startswith("send") else "recv", peer, nbytes, dtype, label))
+            builder.steps(r, [(0, group)], name="_batched_p2p_ops")
+    return builder.build()
 
 
 def exchange_calls(size: int, ring: bool, iterations: int = 3) -> list[list[set[str]]]:
@@ -169,49 +91,56 @@ def one_f_one_b_calls(size: int, microbatches: int) -> list[list[set[str]]]:
     return calls
 
 
-MODES = [("parity", 1), ("parity", 2), ("batched", 1), ("batched", 2)]
-
-
 @pytest.mark.parametrize("mode,lanes", MODES)
 @pytest.mark.parametrize("ring", [False, True], ids=["chain", "ring"])
 def test_every_size_from_1_to_64_completes_and_pairs_directions(mode, lanes, ring):
     for size in range(1, 65):
         if size == 1 and not ring:
             continue  # a one-stage chain posts nothing
-        pending, wrong = simulate(build(size, exchange_calls(size, ring), mode, lanes, c_plan))
-        assert not pending, f"size {size}: deadlock, pending {pending[:4]}"
-        assert not wrong, f"size {size}: {wrong[:4]}"
+        verdict = simulate(exchange_program(size, exchange_calls(size, ring), mode, lanes))
+        assert verdict.verdict == "ok", f"size {size}: {verdict.detail()}"
 
 
 @pytest.mark.parametrize("mode,lanes", MODES)
 def test_one_f_one_b_call_patterns_complete(mode, lanes):
     for size in [*range(2, 17), 31, 32, 63, 64]:
         for microbatches in (1, size // 2 + 1, size + 1):
-            calls = one_f_one_b_calls(size, microbatches)
-            pending, wrong = simulate(build(size, calls, mode, lanes, c_plan))
-            assert not pending and not wrong, (size, microbatches, pending[:4], wrong[:4])
+            verdict = simulate(exchange_program(size, one_f_one_b_calls(size, microbatches), mode, lanes))
+            assert verdict.verdict == "ok", (size, microbatches, verdict.detail())
 
 
 def test_megatrons_batched_order_swaps_directions_at_two_ranks():
     """The checker catches the defect it exists for: megatron-core's fixed batched order on one
     stream delivers a gradient into recv_prev when prev == next."""
-    pending, wrong = simulate(build(2, exchange_calls(2, True, 1), "batched", 1, megatron_batched_plan))
-    assert not pending
-    assert "rank 0 recv_prev received a gradient" in wrong
+    verdict = simulate(megatron_batched_program(2, exchange_calls(2, True, 1)))
+    assert verdict.verdict == "mismatch"
+    send, recv = verdict.mismatch
+    assert (send.op.bytes, recv.op.bytes) == (GRAD, ACT)
+    assert send.op.label.startswith("grad") and recv.op.label.startswith("act")
 
 
 def test_megatrons_batched_order_is_right_from_three_ranks():
-    pending, wrong = simulate(build(3, exchange_calls(3, True, 1), "batched", 1, megatron_batched_plan))
-    assert not pending and not wrong
+    assert simulate(megatron_batched_program(3, exchange_calls(3, True, 1))).verdict == "ok"
 
 
 def test_ops_issued_one_by_one_in_ring_order_deadlock_under_rendezvous():
     """The simulator reports a deadlock it should: every rank sends to next before receiving."""
-    def send_first(mode, lanes, rank, ops, prev_self, next_self):
-        return [(0, (name,)) for name in ("send_next", "recv_prev") if name in ops]
+    builder = ProgramBuilder(4, 1)
+    for r in range(4):
+        builder.steps(r, [(0, [("send", (r + 1) % 4, ACT, "float32", "act")]),
+                          (0, [("recv", (r - 1) % 4, ACT, "float32", "act")])])
+    verdict = simulate(builder.build())
+    assert verdict.verdict == "deadlock"
+    assert verdict.num_pending == 8
+    assert sorted(verdict.ranks) == [0, 1, 2, 3]
 
-    pending, _ = simulate(build(4, [[{"send_next", "recv_prev"}]] * 4, "parity", 1, send_first))
-    assert len(pending) == 8
+
+def test_the_same_ring_completes_with_an_eager_threshold_above_its_messages():
+    builder = ProgramBuilder(4, 1, eager_threshold=ACT)
+    for r in range(4):
+        builder.steps(r, [(0, [("send", (r + 1) % 4, ACT, "float32", "act")]),
+                          (0, [("recv", (r - 1) % 4, ACT, "float32", "act")])])
+    assert simulate(builder.build()).verdict == "ok"
 
 
 def test_parity_order_follows_the_rank_parity():

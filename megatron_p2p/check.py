@@ -1,0 +1,252 @@
+"""Offline verdicts on programs: does every rank's sequence of calls complete, deadlock, or pair
+messages whose bytes or dtype disagree?
+
+    python -m megatron_p2p.check [--json] FILE...
+    python -m megatron_p2p.check --schedule {1f1b,interleaved} --pp N [--vpp V] [--microbatches M]
+           [--mode {parity,batched}] [--lanes {1,2}] [--overlap] [--variable-seq-lengths]
+           [--eager BYTES] [--dump FILE]
+    python -m megatron_p2p.check --grid [--reduced] [--jobs N]
+
+Prints a verdict per file or schedule: OK with the rounds on the critical path, DEADLOCK with
+the wait-for cycle (ranks, ops, labels), MISMATCH with the first disagreeing pair. --json prints
+one object per line instead. Exit status: 0 all OK, 1 otherwise, 2 for a usage error or a file
+that cannot be read or is not a valid program.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+from .program import ProgramError, dumps, load
+from .simulate import Verdict, simulate
+
+PP_BANDS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64))
+_SHAPE_KEYS = ("mode", "lanes", "eager_threshold")
+
+
+def _record(verdict: Verdict, **where: Any) -> dict:
+    return {**where, "verdict": verdict.verdict, "ranks": verdict.ranks, "rounds": verdict.rounds,
+            "detail": verdict.detail()}
+
+
+def check_files(paths: Sequence[str], as_json: bool) -> int:
+    """Prints one verdict per file; returns the exit status."""
+    status = 0
+    for path in paths:
+        try:
+            program = load(path)
+        except OSError as e:
+            print(f"{path}: cannot read: {e.strerror or e}", file=sys.stderr)
+            status = 2
+            continue
+        except ProgramError as e:
+            print(f"error: {e}", file=sys.stderr)
+            status = 2
+            continue
+        verdict = simulate(program)
+        if as_json:
+            print(json.dumps(_record(verdict, file=path)))
+        else:
+            text = verdict.summary() if verdict.ok else verdict.detail()
+            print(f"{path}: {text}")
+        if not verdict.ok and status == 0:
+            status = 1
+    return status
+
+
+def _describe(config: dict) -> str:
+    parts = [config["schedule"], f"pp={config['pp']}"]
+    for key in ("vpp", "microbatches", "mode", "lanes"):
+        if config.get(key) is not None:
+            parts.append(f"{key}={config[key]}")
+    for key in ("overlap", "variable_seq_lengths"):
+        if config.get(key):
+            parts.append(key)
+    if config.get("eager_threshold"):
+        parts.append(f"eager={config['eager_threshold']}")
+    return " ".join(parts)
+
+
+def check_schedule(config: dict, as_json: bool, dump: Optional[str]) -> int:
+    """Generates one megatron-core schedule, checks it, optionally writes its program file."""
+    from .schedules import generate
+
+    kwargs = {k: v for k, v in config.items() if k not in ("schedule", "pp")}
+    try:
+        program = generate(config["schedule"], config["pp"], **kwargs)
+    except (ValueError, ProgramError) as e:
+        print(f"error: {_describe(config)}: {e}", file=sys.stderr)
+        return 2
+    if dump:
+        try:
+            with open(dump, "w", encoding="utf-8") as f:
+                f.write(dumps(program))
+        except OSError as e:
+            print(f"error: cannot write {dump}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    verdict = simulate(program)
+    if as_json:
+        print(json.dumps(_record(verdict, schedule=config, file=dump)))
+    else:
+        print(f"{_describe(config)}: {verdict.summary() if verdict.ok else verdict.detail()}")
+    return 0 if verdict.ok else 1
+
+
+# ---- the grid -------------------------------------------------------------------------------------
+
+def _run_group(configs: list[dict]) -> list[tuple[dict, str, str, int]]:
+    """Worker: (config, verdict, summary, ops) for configs sharing one schedule shape."""
+    from .schedules import generate
+
+    out = []
+    for config in configs:
+        kwargs = {k: v for k, v in config.items() if k not in ("schedule", "pp", "skip")}
+        program = generate(config["schedule"], config["pp"], **kwargs)
+        verdict = simulate(program, details=False)
+        out.append((config, verdict.verdict, verdict.summary(), program.num_ops()))
+    return out
+
+
+_LEGEND = ("columns: 1f1b / intl = interleaved, +ov = overlap_p2p_comm, +var = variable_seq_lengths; "
+           "par / bat = parity / batched mode; 1L / 2L = lanes")
+
+
+def _column(config: dict) -> str:
+    name = {"interleaved": "intl"}.get(config["schedule"], config["schedule"])
+    name += ("+ov" if config.get("overlap") else "") + ("+var" if config.get("variable_seq_lengths") else "")
+    return f"{name} {config.get('mode', 'parity')[:3]} {config.get('lanes', 2)}L"
+
+
+def _band(pp: int) -> str:
+    for low, high in PP_BANDS:
+        if low <= pp <= high:
+            return f"pp {low}" if low == high else f"pp {low}-{high}"
+    return f"pp {pp}"
+
+
+def grid_results(full: bool = True, jobs: int = 1) -> list[tuple[dict, str, str, int]]:
+    """(config, verdict, summary, ops) for every config of the grid megatron-core accepts."""
+    from .schedules import grid_configs
+
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for c in grid_configs(full):
+        if "skip" not in c:
+            groups[tuple(sorted((k, v) for k, v in c.items() if k not in _SHAPE_KEYS))].append(c)
+    # Largest first, so the last job to finish is a small one.
+    work = sorted(groups.values(), key=lambda g: -g[0]["pp"] * g[0].get("vpp", 1) * (g[0].get("microbatches") or 0))
+    results: list[tuple[dict, str, str, int]] = []
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            for part in pool.imap_unordered(_run_group, work):
+                results.extend(part)
+    else:
+        for group in work:
+            results.extend(_run_group(group))
+    return results
+
+
+def run_grid(full: bool, jobs: int, as_json: bool) -> int:
+    """Checks every config of the grid over `jobs` processes and prints a table."""
+    from .schedules import grid_configs
+
+    start = time.perf_counter()
+    skipped = [c for c in grid_configs(full) if "skip" in c]
+    results = grid_results(full, jobs)
+    elapsed = time.perf_counter() - start
+    failures = [r for r in results if r[1] != "ok"]
+    if as_json:
+        for config, verdict, summary, _ in sorted(results, key=lambda r: _describe(r[0])):
+            print(json.dumps({"schedule": config, "verdict": verdict, "detail": summary}))
+    else:
+        print(_table(results, skipped))
+        for config, verdict, summary, _ in sorted(failures, key=lambda r: _describe(r[0]))[:40]:
+            print(f"  {_describe(config)}: {summary}")
+    counts = defaultdict(int)
+    for r in results:
+        counts[r[1]] += 1
+    total = (f"grid: {len(results)} configs checked ({sum(r[3] for r in results):,} ops), "
+             f"{counts['ok']} OK, {counts['deadlock']} DEADLOCK, {counts['mismatch']} MISMATCH, "
+             f"{len(skipped)} refused by megatron-core; {elapsed:.0f} s on {jobs} process(es)")
+    print(total, file=sys.stderr if as_json else sys.stdout)
+    return 0 if not failures else 1
+
+
+def _table(results: list[tuple[dict, str, str, int]], skipped: list[dict]) -> str:
+    columns = sorted({_column(r[0]) for r in results})
+    bands = [_band(low) for low, _ in PP_BANDS]
+    cells: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for config, verdict, _, _ in results:
+        cell = cells[_band(config["pp"]), _column(config)]
+        cell[0] += 1
+        cell[1] += verdict != "ok"
+    width = max(len(c) for c in columns) if columns else 8
+    head = f"{'':9}" + "".join(f" {c:>{width}}" for c in columns)
+    lines = [head]
+    for band in bands:
+        row = []
+        for column in columns:
+            n, bad = cells.get((band, column), (0, 0))
+            row.append("-" if n == 0 else f"all {n} OK" if bad == 0 else f"{bad}/{n} FAIL")
+        if any(x != "-" for x in row):
+            lines.append(f"{band:9}" + "".join(f" {x:>{width}}" for x in row))
+    if skipped:
+        lines.append(f"{len(skipped)} configs megatron-core refuses are left out (e.g. {skipped[0]['skip']})")
+    lines.append(_LEGEND)
+    return "\n".join(lines)
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_p2p.check", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="*", metavar="FILE", help="program files (megatron_p2p.program/1 JSON)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--schedule", choices=("1f1b", "interleaved"), help="check a megatron-core schedule")
+    p.add_argument("--pp", type=int, help="pipeline ranks (with --schedule)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual stages per rank (interleaved)")
+    p.add_argument("--microbatches", type=int, help="microbatches (default 2 * pp)")
+    p.add_argument("--mode", choices=("parity", "batched"), default="parity")
+    p.add_argument("--lanes", type=int, choices=(1, 2), default=2)
+    p.add_argument("--overlap", action="store_true", help="overlap_p2p_comm (interleaved)")
+    p.add_argument("--variable-seq-lengths", action="store_true", help="with the shape round before each exchange")
+    p.add_argument("--eager", type=int, default=0, metavar="BYTES", help="eager threshold (default 0: strict rendezvous)")
+    p.add_argument("--dump", metavar="FILE", help="write the generated program to FILE")
+    p.add_argument("--grid", action="store_true", help="check the whole grid of schedules and print a table")
+    p.add_argument("--reduced", action="store_true", help="with --grid: the small grid the test suite runs")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --grid (default: all CPUs)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    modes = sum(bool(x) for x in (args.files, args.schedule, args.grid))
+    if modes != 1:
+        parser.error("give program FILEs, or --schedule, or --grid (exactly one of them)")
+    if args.reduced and not args.grid:
+        parser.error("--reduced goes with --grid")
+    if args.schedule is None and (args.pp is not None or args.dump or args.overlap or args.variable_seq_lengths):
+        parser.error("--pp, --dump, --overlap and --variable-seq-lengths go with --schedule")
+    if args.grid:
+        if args.jobs < 1:
+            parser.error("--jobs must be at least 1")
+        return run_grid(not args.reduced, args.jobs, args.json)
+    if args.schedule:
+        if args.pp is None:
+            parser.error("--schedule needs --pp")
+        config = {"schedule": args.schedule, "pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches,
+                  "mode": args.mode, "lanes": args.lanes, "overlap": args.overlap,
+                  "variable_seq_lengths": args.variable_seq_lengths, "eager_threshold": args.eager}
+        return check_schedule(config, args.json, args.dump)
+    return check_files(args.files, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
