@@ -65,7 +65,7 @@ class _Rank:
         self.program, self.comm, self.me, self.device = program, comm, me, device
         self.labels = _send_labels(program)
         self.seen: dict[tuple[int, int], int] = {}  # (src, lane) -> receives posted so far
-        self.reqs: list[list[Any]] = []  # per call: its requests
+        self.reqs: list[dict[Any, Any]] = []  # per call: its requests, by slot (exchange) or op index (steps)
         self.checks: list[tuple[Any, torch.Tensor, torch.Tensor, str]] = []  # (request, buffer, expected, what)
 
     def _recv_buffer(self, peer: int, lane: int, nbytes: int, dtype: str) -> tuple[torch.Tensor, Optional[torch.Tensor], str]:
@@ -77,7 +77,7 @@ class _Rank:
         what = f"receive #{k} from rank {peer} on lane {lane} (label {label!r})"
         return _tensor(nbytes, dtype, self.device), expected, what
 
-    def _post(self, call: prog.Call) -> list[Any]:
+    def _post(self, call: prog.Call) -> dict[Any, Any]:
         ranks = self.comm.ranks
         posted: list[tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], str]] = []
         if call.exchange is not None:
@@ -95,8 +95,8 @@ class _Rank:
             reqs = self.comm.exchange(**tensors, mode=ex.mode, prev_rank=ranks[ex.prev], next_rank=ranks[ex.next],
                                       call=call.name or None)
             self.checks += [(reqs[slot], buf, exp, what) for slot, buf, exp, what in posted if exp is not None]
-            return list(reqs.values())
-        out = []
+            return dict(reqs)
+        out: list[Any] = []
         for step in call.steps:
             ops, recvs = [], []
             for op in step:
@@ -110,14 +110,14 @@ class _Rank:
             reqs = self.comm.batch(ops, lane=step[0].lane, call=call.name or None)
             self.checks += [(reqs[i], buf, exp, what) for i, buf, exp, what in recvs if exp is not None]
             out += reqs
-        return out
+        return dict(enumerate(out))
 
     def finished_failures(self) -> list[BaseException]:
         """What the finished ops raise: a rank that stops at one failure may hold others that
         explain it (a receive that mismatched before the rank blocked elsewhere)."""
         out = []
         for reqs in self.reqs:
-            for r in reqs:
+            for r in reqs.values():
                 if r.is_completed():
                     try:
                         r.wait()
@@ -128,15 +128,15 @@ class _Rank:
     def run(self) -> None:
         for i in range(self.program.num_calls(self.me)):
             call = self.program.call(self.me, i)
-            for j in call.awaits:
-                for r in self.reqs[j]:
+            for a in call.awaits:  # a whole earlier call, or (call, slot or op index)
+                for r in (self.reqs[a].values() if isinstance(a, int) else [self.reqs[a[0]][a[1]]]):
                     r.wait()
             self.reqs.append(self._post(call))
             if call.wait:
-                for r in self.reqs[-1]:
+                for r in self.reqs[-1].values():
                     r.wait()
         for reqs in self.reqs:
-            for r in reqs:
+            for r in reqs.values():
                 r.wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
