@@ -71,11 +71,12 @@ def _exchange_for(
     group: Optional[dist.ProcessGroup],
     prev_pipeline_rank: int,
     next_pipeline_rank: int,
+    call: str,
 ) -> dict[str, _C.Request]:
     comm = get_communicator(group)
     return comm.exchange(send_next=tensor_send_next, recv_prev=tensor_recv_prev, send_prev=tensor_send_prev,
                          recv_next=tensor_recv_next, mode=mode, prev_rank=prev_pipeline_rank,
-                         next_rank=next_pipeline_rank)
+                         next_rank=next_pipeline_rank, call=call)
 
 
 def _p2p_ops(
@@ -92,7 +93,7 @@ def _p2p_ops(
     send_next / recv_prev / send_prev / recv_next. `group`'s communicator must exist
     (`init_communicator(group)`); ranks are global."""
     return _exchange_for("parity", tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
-                         prev_pipeline_rank, next_pipeline_rank)
+                         prev_pipeline_rank, next_pipeline_rank, "_p2p_ops")
 
 
 def _batched_p2p_ops(
@@ -109,7 +110,7 @@ def _batched_p2p_ops(
     (send_prev, recv_prev, send_next, recv_next order; [] when nothing is posted). Unlike
     megatron-core's, the pairing is right with 2 pipeline ranks."""
     reqs = _exchange_for("batched", tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
-                         prev_pipeline_rank, next_pipeline_rank)
+                         prev_pipeline_rank, next_pipeline_rank, "_batched_p2p_ops")
     return [reqs[k] for k in ("send_prev", "recv_prev", "send_next", "recv_next") if k in reqs]
 
 
@@ -183,6 +184,7 @@ class P2PCommunicator:
         self.virtual_pipeline_model_parallel_size = getattr(config, "virtual_pipeline_model_parallel_size", None)
         self._rank_in_group = me
         self._size = len(ranks)
+        self._call = "_communicate"  # the megatron-core method being served, named in reports
         self._cuda = comm.backend != "shm"
         logger.debug("P2PCommunicator: global rank %d, stage %d of %d (ranks %s), mode %s, backend %s, %d lane(s)",
                     ranks[me], me, len(ranks), list(ranks), mode, comm.backend, comm.lanes)
@@ -241,11 +243,20 @@ class P2PCommunicator:
     def _span(self, name: str) -> _Span:
         return _Span(getattr(self.config, "timers", None), name, self._cuda)
 
-    def _exchange(self, **ops: Optional[torch.Tensor]) -> dict[str, _C.Request]:
+    @contextlib.contextmanager
+    def _serving(self, call: str) -> Iterator[None]:
+        """Names the exchanges posted inside after megatron-core's method `call`."""
+        outer, self._call = self._call, call
+        try:
+            yield
+        finally:
+            self._call = outer
+
+    def _exchange(self, call: Optional[str] = None, **ops: Optional[torch.Tensor]) -> dict[str, _C.Request]:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("exchange (%s): %s", self.mode,
                          ", ".join(f"{k} {tuple(v.shape)}" for k, v in ops.items() if v is not None))
-        return self.comm.exchange(mode=self.mode, **ops)
+        return self.comm.exchange(mode=self.mode, call=call or self._call, **ops)
 
     def _exchange_headers(
         self,
@@ -270,7 +281,7 @@ class P2PCommunicator:
             return torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) if wanted else None
 
         got_prev, got_next = slot(recv_prev), slot(recv_next)
-        reqs = self._exchange(send_next=header(tensor_send_next), recv_prev=got_prev,
+        reqs = self._exchange(call="_communicate_shapes", send_next=header(tensor_send_next), recv_prev=got_prev,
                               send_prev=header(tensor_send_prev), recv_next=got_next)
         sends = [reqs.pop(k) for k in ("send_next", "send_prev") if k in reqs]
         for r in reqs.values():
@@ -400,12 +411,14 @@ class P2PCommunicator:
     def recv_forward(self, tensor_shapes, is_first_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Receives activations from the previous stage: one tensor per shape (a single tensor
         for a single shape), None on the first stage."""
-        return self._recv_each(tensor_shapes, is_first_stage, "forward-recv", prev=True)
+        with self._serving("recv_forward"):
+            return self._recv_each(tensor_shapes, is_first_stage, "forward-recv", prev=True)
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Receives gradients from the next stage: one tensor per shape (a single tensor for a
         single shape), None on the last stage."""
-        return self._recv_each(tensor_shapes, is_last_stage, "backward-recv", prev=False)
+        with self._serving("recv_backward"):
+            return self._recv_each(tensor_shapes, is_last_stage, "backward-recv", prev=False)
 
     def _send_each(self, tensors, skip: bool, timer: str, forward: bool) -> None:
         for t in tensors if isinstance(tensors, list) else [tensors]:
@@ -417,11 +430,13 @@ class P2PCommunicator:
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
         """Sends activations (a tensor or a list) to the next stage; nothing on the last stage."""
-        self._send_each(output_tensors, is_last_stage, "forward-send", forward=True)
+        with self._serving("send_forward"):
+            self._send_each(output_tensors, is_last_stage, "forward-send", forward=True)
 
     def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
         """Sends gradients (a tensor or a list) to the previous stage; nothing on the first stage."""
-        self._send_each(input_tensor_grads, is_first_stage, "backward-send", forward=False)
+        with self._serving("send_backward"):
+            self._send_each(input_tensor_grads, is_first_stage, "backward-send", forward=False)
 
     def _send_recv_each(self, tensors, tensor_shapes, skip: bool, timer: str, forward: bool, overlap: bool):
         single = not isinstance(tensors, list)
@@ -450,16 +465,18 @@ class P2PCommunicator:
         stage). With overlap_p2p_comm=True (an addition to megatron-core) returns
         (gradients, handles) without waiting; handles is a dict keyed by op name (a list of
         them for a list of tensors)."""
-        return self._send_recv_each(output_tensors, tensor_shapes, is_last_stage, "forward-send-backward-recv",
-                                    forward=True, overlap=overlap_p2p_comm)
+        with self._serving("send_forward_recv_backward"):
+            return self._send_recv_each(output_tensors, tensor_shapes, is_last_stage, "forward-send-backward-recv",
+                                        forward=True, overlap=overlap_p2p_comm)
 
     def send_backward_recv_forward(
         self, input_tensor_grads, tensor_shapes, is_first_stage: bool, *, overlap_p2p_comm: bool = False
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Sends gradients to the previous stage and receives its next activations (None on the
         first stage). overlap_p2p_comm=True returns (activations, handles), as above."""
-        return self._send_recv_each(input_tensor_grads, tensor_shapes, is_first_stage, "backward-send-forward-recv",
-                                    forward=False, overlap=overlap_p2p_comm)
+        with self._serving("send_backward_recv_forward"):
+            return self._send_recv_each(input_tensor_grads, tensor_shapes, is_first_stage,
+                                        "backward-send-forward-recv", forward=False, overlap=overlap_p2p_comm)
 
     def send_forward_recv_forward(
         self,
@@ -470,7 +487,7 @@ class P2PCommunicator:
     ) -> torch.Tensor:
         """Sends activations to the next stage and, if recv_prev, receives the previous stage's.
         overlap_p2p_comm=True returns (tensor, handles) without waiting."""
-        with self._span("forward-send-forward-recv"):
+        with self._span("forward-send-forward-recv"), self._serving("send_forward_recv_forward"):
             got, _, handles = self._communicate(tensor_send_next=output_tensor, tensor_send_prev=None,
                                                 recv_prev=recv_prev, recv_next=False, tensor_shape=tensor_shape,
                                                 wait_on_reqs=not overlap_p2p_comm)
@@ -485,7 +502,7 @@ class P2PCommunicator:
     ) -> torch.Tensor:
         """Sends gradients to the previous stage and, if recv_next, receives the next stage's.
         overlap_p2p_comm=True returns (tensor, handles) without waiting."""
-        with self._span("backward-send-backward-recv"):
+        with self._span("backward-send-backward-recv"), self._serving("send_backward_recv_backward"):
             _, got, handles = self._communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad,
                                                 recv_prev=False, recv_next=recv_next, tensor_shape=tensor_shape,
                                                 wait_on_reqs=not overlap_p2p_comm)
@@ -500,7 +517,8 @@ class P2PCommunicator:
         tensor_shape: Shape,
     ) -> torch.Tensor:
         """Both directions at once: returns (input_tensor, output_tensor_grad)."""
-        with self._span("forward-backward-send-forward-backward-recv"):
+        with self._span("forward-backward-send-forward-backward-recv"), \
+                self._serving("send_forward_backward_recv_forward_backward"):
             got_prev, got_next, _ = self._communicate(tensor_send_next=output_tensor,
                                                       tensor_send_prev=input_tensor_grad, recv_prev=recv_prev,
                                                       recv_next=recv_next, tensor_shape=tensor_shape)
@@ -562,9 +580,21 @@ def _legacy_span(config: Any, name: str) -> Iterator[None]:
         yield
 
 
+# megatron-core's timer name -> the function it times, named in reports.
+_LEGACY_CALLS = {
+    "forward-recv": "recv_forward", "backward-recv": "recv_backward", "forward-send": "send_forward",
+    "backward-send": "send_backward", "forward-send-backward-recv": "send_forward_recv_backward",
+    "backward-send-forward-recv": "send_backward_recv_forward", "forward-send-forward-recv": "send_forward_recv_forward",
+    "backward-send-backward-recv": "send_backward_recv_backward",
+    "forward-backward-send-forward-backward-recv": "send_forward_backward_recv_forward_backward",
+}
+
+
 def _legacy_call(config: Any, timer: str, **kw: Any):
     with _legacy_span(config, timer):
-        return _legacy(config)._communicate(**kw)
+        p2p = _legacy(config)
+        with p2p._serving(_LEGACY_CALLS[timer]):
+            return p2p._communicate(**kw)
 
 
 def recv_forward(tensor_shape: Shape, config: Any, is_first_stage: Optional[bool] = None) -> torch.Tensor:
