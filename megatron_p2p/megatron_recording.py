@@ -70,8 +70,10 @@ class RecordingCommunicator:
     device = torch.device("cpu")
     closed = False
 
-    def __init__(self, rank: Rank, group_rank: int, ranks: tuple[int, ...], lanes: int, header: torch.Tensor):
+    def __init__(self, rank: Rank, group_rank: int, ranks: tuple[int, ...], lanes: int, header: torch.Tensor,
+                 mode: str):
         self.recorded = rank
+        self.mode = mode
         self.rank, self.size, self.ranks, self.lanes = group_rank, len(ranks), ranks, lanes
         self.prev_rank = ranks[(group_rank - 1) % len(ranks)]
         self.next_rank = ranks[(group_rank + 1) % len(ranks)]
@@ -83,6 +85,10 @@ class RecordingCommunicator:
         P2PCommunicator leaves them); receives are filled so that the schedule can go on."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        # The program records calls without their mode: it must be the one `emit` gives them.
+        expected = p2p_communication.HEADER_MODE if call == p2p_communication.HEADER_CALL else self.mode
+        if mode != expected:
+            raise ValueError(f"{call or 'exchange'} was posted in mode {mode!r}; the generator emits {expected!r}")
         for given, ring, what in ((prev_rank, self.prev_rank, "prev_rank"), (next_rank, self.next_rank, "next_rank")):
             if given is not None and given != ring:
                 raise ValueError(f"the recording communicator records ring exchanges; {what}={given}, ring {ring}")
@@ -218,7 +224,7 @@ def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mod
                 variable_seq_lengths=variable_seq_lengths, overlap_p2p_comm=overlap)
             config.hidden_size = hidden
             rank = Rank()
-            comm = RecordingCommunicator(rank, stage, ranks, 2, header)
+            comm = RecordingCommunicator(rank, stage, ranks, 2, header, mode)
             p2p = p2p_communication.P2PCommunicator(_Group(stage, pp, ranks), config, mode=mode, comm=comm)
             alone = _Group(0, 1, (me,))
             models = [_stage_model(config, hidden, first=(stage == 0 and c == 0)) for c in range(vpp)]

@@ -49,6 +49,12 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         _DTYPE_CODE[getattr(torch, _name)] = len(_DTYPES)
         _DTYPES.append(getattr(torch, _name))
 _UNKNOWN_DTYPE = -1
+# The shape round of variable_seq_lengths is one group per lane whatever the mode: posted one by
+# one in parity order, its header sends queue ahead of the receives a neighbour in warmup needs,
+# and megatron-core's interleaved schedule deadlocks (python -m megatron_p2p.check --grid
+# --reduced shows where; megatron-core's own blocking shape round deadlocks there too).
+HEADER_CALL = "_communicate_shapes"
+HEADER_MODE = "batched"
 
 
 def is_single_shape(x: Any) -> bool:
@@ -186,6 +192,11 @@ class P2PCommunicator:
         self._size = len(ranks)
         self._call = "_communicate"  # the megatron-core method being served, named in reports
         self._cuda = comm.backend != "shm"
+        if comm.lanes == 1 and getattr(config, "variable_seq_lengths", False) and \
+                (self.virtual_pipeline_model_parallel_size or 1) > 1:
+            logger.warning("megatron-core's interleaved schedule with variable_seq_lengths can deadlock on one lane "
+                           "whatever the order (python -m megatron_p2p.check --schedule interleaved --lanes 1 "
+                           "--variable-seq-lengths --pp N --microbatches N shows the cycle); use lanes=2")
         logger.debug("P2PCommunicator: global rank %d, stage %d of %d (ranks %s), mode %s, backend %s, %d lane(s)",
                     ranks[me], me, len(ranks), list(ranks), mode, comm.backend, comm.lanes)
 
@@ -253,10 +264,11 @@ class P2PCommunicator:
             self._call = outer
 
     def _exchange(self, call: Optional[str] = None, **ops: Optional[torch.Tensor]) -> dict[str, _C.Request]:
+        mode = HEADER_MODE if call == HEADER_CALL else self.mode
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("exchange (%s): %s", self.mode,
+            logger.debug("exchange (%s): %s", mode,
                          ", ".join(f"{k} {tuple(v.shape)}" for k, v in ops.items() if v is not None))
-        return self.comm.exchange(mode=self.mode, call=call or self._call, **ops)
+        return self.comm.exchange(mode=mode, call=call or self._call, **ops)
 
     def _exchange_headers(
         self,
@@ -281,7 +293,7 @@ class P2PCommunicator:
             return torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) if wanted else None
 
         got_prev, got_next = slot(recv_prev), slot(recv_next)
-        reqs = self._exchange(call="_communicate_shapes", send_next=header(tensor_send_next), recv_prev=got_prev,
+        reqs = self._exchange(call=HEADER_CALL, send_next=header(tensor_send_next), recv_prev=got_prev,
                               send_prev=header(tensor_send_prev), recv_next=got_next)
         sends = [reqs.pop(k) for k in ("send_next", "send_prev") if k in reqs]
         for r in reqs.values():

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Sequence
 
-from .p2p_communication import _HEADER_WORDS
+from .p2p_communication import _HEADER_WORDS, HEADER_CALL, HEADER_MODE
 from .program import Program, ProgramBuilder
 
 SCHEDULES = ("1f1b", "interleaved")
@@ -39,7 +39,7 @@ SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
 SENDS = ("send_next", "send_prev")
 RECVS = ("recv_prev", "recv_next")
 DEFAULT_TENSOR_BYTES = 4096
-SHAPE_ROUND = "_communicate_shapes"
+SHAPE_ROUND = HEADER_CALL
 HEADER = (_HEADER_WORDS * 8, "int64")  # the shape round's message: int64 words
 
 # One call of a rank, ready for ProgramBuilder.exchange:
@@ -377,11 +377,12 @@ def rank_calls(schedule: str, pp: int, vpp: int, microbatches: int, overlap: boo
 
 
 def emit(builder: ProgramBuilder, rank: int, calls: Sequence[RankCall], mode: str) -> None:
-    """Adds one rank's lowered calls to `builder` as exchange calls in `mode`."""
+    """Adds one rank's lowered calls to `builder` as exchange calls in `mode` (the shape round in
+    HEADER_MODE, as P2PCommunicator posts it)."""
     exchange = builder.exchange
     for name, sn, rp, sp, rn, wait, awaits in calls:
-        exchange(rank, send_next=sn, recv_prev=rp, send_prev=sp, recv_next=rn, mode=mode, wait=wait, name=name,
-                 awaits=awaits)
+        exchange(rank, send_next=sn, recv_prev=rp, send_prev=sp, recv_next=rn,
+                 mode=HEADER_MODE if name == HEADER_CALL else mode, wait=wait, name=name, awaits=awaits)
 
 
 def generate(schedule: str, pp: int, *, vpp: int = 1, microbatches: Optional[int] = None, mode: str = "parity",
