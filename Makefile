@@ -8,7 +8,7 @@ EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*.c csrc/*.h) setup.py
 TEST_JOBS ?=
 
-.PHONY: all build demo test sanitize bench bench-quick clean
+.PHONY: all build demo test verify sanitize bench bench-quick clean
 
 all: build
 
@@ -40,6 +40,13 @@ demo: build
 
 test: build
 	$(PY) -m pytest -q $(TEST_JOBS)
+
+# Deadlock freedom, the long way: 1000 random programs through the checker (each against an
+# exhaustive search where small enough), 100 of them replayed on the shm transport, and the full
+# grid of megatron-core's schedules (pp 1-64), under 10 minutes of it on 2 cores.
+verify: build
+	MEGATRON_P2P_VERIFY_PROGRAMS=1000 MEGATRON_P2P_VERIFY_REPLAYS=100 $(PY) -m pytest -q tests/test_check.py tests/test_replay.py
+	$(PY) -m megatron_p2p.check --grid
 
 # The extension built with AddressSanitizer and UndefinedBehaviorSanitizer, and the whole suite
 # run against it (every torchrun rank inherits the preloaded runtime).
