@@ -511,6 +511,7 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
         PyList_SET_ITEM(reqs, i, (PyObject *)req);
         step->ops[i] = &req->op;
     }
+    size_t call_len = call_name ? strnlen(call_name, MP_CALL_NAME_LEN - 1) : 0;
     for (int i = 0; i < nops; i++) {
         mp_op *op = step->ops[i];
         size_t ch = (size_t)lane * (size_t)self->size + (size_t)ops[i].peer;
@@ -522,7 +523,8 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
         op->seq = ops[i].kind == MP_SEND ? self->send_seq[ch]++ : self->recv_seq[ch]++;
         op->step = self->lane_steps[lane];
         op->call = self->calls;
-        snprintf(op->call_name, sizeof op->call_name, "%s", call_name ? call_name : "");
+        if (call_name) /* the op starts zeroed: no name, nothing to copy */
+            memcpy(op->call_name, call_name, call_len);
         if (op->kind == MP_SEND) {
             self->sends++;
             self->bytes_sent += op->nbytes;
