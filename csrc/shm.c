@@ -456,9 +456,11 @@ static mp_result shm_abort_cause(mp_transport *t, int *rank)
     return cause;
 }
 
-/* Ops of the active steps whose peer is fenced in a deadlock can never complete: they fail with
- * the deadlock's report, and the rest of the lane goes on. */
-static int fail_fenced_peers(shm_t *s)
+/* Fails the ops of the active steps that nobody will ever serve, so that the rest of their lane
+ * goes on: those whose peer is fenced in a deadlock (with its report), and, when `departed`,
+ * those whose peer closed the communicator without posting their partner (a closed rank posts
+ * nothing more). The second needs each peer's state, so only blocked waits ask for it. */
+static int fail_unserved(shm_t *s, int departed)
 {
     int failed = 0;
     for (int l = 0; l < s->base.nlanes; l++) {
@@ -467,12 +469,27 @@ static int fail_fenced_peers(shm_t *s)
             continue;
         for (int i = 0; i < step->nops; i++) {
             mp_op *op = step->ops[i];
-            if (!op || op->peer == s->base.rank || !atomic_load(&shm_rank_at(&s->v, op->peer)->fence))
+            if (!op || op->peer == s->base.rank)
                 continue;
-            snprintf(op->detail, sizeof op->detail,
-                     "rank %d, which this op needs, is in a wait-for cycle that can never resolve (the deadlock "
-                     "report follows)", op->peer_global);
-            finish(s, step, op, MP_ERR_ABORTED);
+            shm_rank *peer = shm_rank_at(&s->v, op->peer);
+            if (atomic_load(&peer->fence)) {
+                snprintf(op->detail, sizeof op->detail,
+                         "rank %d, which this op needs, is in a wait-for cycle that can never resolve (the deadlock "
+                         "report follows)", op->peer_global);
+                finish(s, step, op, MP_ERR_ABORTED);
+                failed = 1;
+                continue;
+            }
+            if (!departed || atomic_load(&peer->state) != SHM_RANK_CLOSED)
+                continue;
+            shm_chan *ch = op->kind == MP_SEND
+                               ? shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, s->base.rank, op->peer))
+                               : shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
+            if ((op->kind == MP_SEND ? atomic_load(&ch->recv_posted) : atomic_load(&ch->posted)) > op->seq)
+                continue;
+            snprintf(op->detail, sizeof op->detail, "rank %d closed the communicator without posting the matching %s",
+                     op->peer_global, op->kind == MP_SEND ? "receive" : "send");
+            finish(s, step, op, MP_ERR_CLOSED);
             failed = 1;
         }
     }
@@ -547,7 +564,7 @@ static int engine_pass(shm_t *s)
     for (int l = 0; l < s->base.nlanes; l++)
         moved |= progress_lane(s, &s->lanes[l]);
     if (atomic_load_explicit(&shm_hdr(&s->v)->fenced, memory_order_relaxed))
-        moved |= fail_fenced_peers(s);
+        moved |= fail_unserved(s, 0);
     return moved;
 }
 
@@ -737,38 +754,12 @@ static void watch_leave(shm_t *s)
     atomic_fetch_sub(&s->watching, 1);
 }
 
-/* Ops of the active steps whose peer closed the communicator without posting their partner can
- * never complete (a closed rank posts nothing more): they fail now rather than at the timeout. */
-static void fail_departed_peers(shm_t *s)
-{
-    pthread_mutex_lock(&s->engine);
-    for (int l = 0; l < s->base.nlanes; l++) {
-        mp_step *step = s->lanes[l].head;
-        if (!step || !step->activated)
-            continue;
-        for (int i = 0; i < step->nops; i++) {
-            mp_op *op = step->ops[i];
-            if (!op || op->peer == s->base.rank ||
-                atomic_load(&shm_rank_at(&s->v, op->peer)->state) != SHM_RANK_CLOSED)
-                continue;
-            shm_chan *ch = op->kind == MP_SEND
-                               ? shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, s->base.rank, op->peer))
-                               : shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
-            uint64_t partners = op->kind == MP_SEND ? atomic_load(&ch->recv_posted) : atomic_load(&ch->posted);
-            if (partners > op->seq)
-                continue;
-            snprintf(op->detail, sizeof op->detail, "rank %d closed the communicator without posting the matching %s",
-                     op->peer_global, op->kind == MP_SEND ? "receive" : "send");
-            finish(s, step, op, MP_ERR_CLOSED);
-        }
-    }
-    pthread_mutex_unlock(&s->engine);
-}
-
 /* One round of deadlock detection from a blocked wait. `seen`: the cycle of the last round. */
 static void watch_round(shm_t *s, const mp_op *op, shm_cycle **seen)
 {
-    fail_departed_peers(s);
+    pthread_mutex_lock(&s->engine);
+    fail_unserved(s, 1);
+    pthread_mutex_unlock(&s->engine);
     if (mp_op_done(op))
         return;
     publish_pending(s, op);

@@ -13,18 +13,9 @@ Each rank records what it raised, how long after the cycle formed, and its messa
 import time
 
 import harness
+from harness import caught
 
 TIMEOUT = 60.0
-
-
-def caught(fn):
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:
-        return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "msg": str(exc),
-                "elapsed": time.monotonic() - start}
-    return {"type": None, "elapsed": time.monotonic() - start}
 
 
 def wait_all(reqs):

@@ -18,19 +18,9 @@ import time
 import traceback
 
 import harness
+from harness import caught
 
 SECTIONS = ("mismatch", "bad_input", "lifetime", "lifecycle", "abort", "timeout", "clean_exit")
-
-
-def caught(fn):
-    """What calling fn raised (or None), and how long it took."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:
-        return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "msg": str(exc),
-                "elapsed": time.monotonic() - start}
-    return {"type": None, "elapsed": time.monotonic() - start}
 
 
 def wait_all(reqs):

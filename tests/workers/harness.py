@@ -9,12 +9,25 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 # Workers import the package from the source tree when it is not installed.
 sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+
+def caught(fn: Callable[[], Any]) -> dict[str, Any]:
+    """What calling fn raised (type, its classes, message; type None when nothing), and how long
+    it took: the record tests assert on."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "msg": str(exc),
+                "elapsed": time.monotonic() - start}
+    return {"type": None, "elapsed": time.monotonic() - start}
 
 
 def run(body: Callable[[dict[str, Any]], Any]) -> None:
