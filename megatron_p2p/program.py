@@ -198,42 +198,18 @@ class ProgramBuilder:
         mask = 0
         ok = self._checked
         slot = "send_next"
-        try:  # unrolled: this is the grid's hot loop
-            if send_next is not None:
-                nbytes, dtype, label = send_next
-                code = ok.get((nbytes, dtype))
+        try:
+            for bit, slot, spec in ((1, "send_next", send_next), (2, "recv_prev", recv_prev),
+                                    (4, "send_prev", send_prev), (8, "recv_next", recv_next)):
+                if spec is None:
+                    continue
+                nbytes, dtype, label = spec
+                code = ok.get((nbytes, dtype))  # checked once per (bytes, dtype): the grid's hot loop
                 if code is None or type(nbytes) is not int:
-                    code = ok[nbytes, dtype] = self._payload(rank, "exchange.send_next", nbytes, dtype)
+                    code = ok[nbytes, dtype] = self._payload(rank, f"exchange.{slot}", nbytes, dtype)
                 stream += (nbytes, code)
                 labels.append(label)
-                mask = 1
-            if recv_prev is not None:
-                slot = "recv_prev"
-                nbytes, dtype, label = recv_prev
-                code = ok.get((nbytes, dtype))
-                if code is None or type(nbytes) is not int:
-                    code = ok[nbytes, dtype] = self._payload(rank, "exchange.recv_prev", nbytes, dtype)
-                stream += (nbytes, code)
-                labels.append(label)
-                mask |= 2
-            if send_prev is not None:
-                slot = "send_prev"
-                nbytes, dtype, label = send_prev
-                code = ok.get((nbytes, dtype))
-                if code is None or type(nbytes) is not int:
-                    code = ok[nbytes, dtype] = self._payload(rank, "exchange.send_prev", nbytes, dtype)
-                stream += (nbytes, code)
-                labels.append(label)
-                mask |= 4
-            if recv_next is not None:
-                slot = "recv_next"
-                nbytes, dtype, label = recv_next
-                code = ok.get((nbytes, dtype))
-                if code is None or type(nbytes) is not int:
-                    code = ok[nbytes, dtype] = self._payload(rank, "exchange.recv_next", nbytes, dtype)
-                stream += (nbytes, code)
-                labels.append(label)
-                mask |= 8
+                mask |= bit
             if mask and (prev == rank or next == rank):
                 self._check_self_exchange(rank, len(self._names[rank]), mask, mode, prev, next)
         except (TypeError, ValueError) as e:
@@ -242,7 +218,7 @@ class ProgramBuilder:
             if isinstance(e, ProgramError):
                 raise
             raise _fail(f"exchange.{slot}", rank, len(self._names[rank]),
-                        f"must be None or (bytes, dtype, label), got {locals()[slot]!r}") from None
+                        f"must be None or (bytes, dtype, label), got {spec!r}") from None
         stream[start + 5 + len(packed_awaits)] = mask
         self._offsets[rank].append(start)
         names = self._names[rank]
