@@ -523,10 +523,18 @@ def _waiting_on(g: _Group, rank: int) -> list[TraceOp]:
 
 
 def _errors(g: _Group, report: CommunicatorReport) -> None:
+    seen: dict[tuple[str, ...], int] = {}  # a report the ranks of one cycle share -> the first rank that gave it
     for rank, dump in g.dumps.items():
         if dump.error is not None:
             head, *rest = (dump.error.strip() or "(no message)").split("\n")
-            report.findings.append(Finding("error", (rank,), "\n".join([f"rank {rank} raised {head}"] + rest[:20])))
+            split = next((i for i, line in enumerate(rest) if line.startswith("pending ops of")), len(rest))
+            shared, own = tuple(rest[:split]), rest[split:]
+            if shared and shared in seen:
+                shared = (f"(the same report as rank {seen[shared]})",)
+            elif shared:
+                seen[shared] = rank
+            lines = [f"rank {rank} raised {head}", *shared, *own][:21]
+            report.findings.append(Finding("error", (rank,), "\n".join(lines)))
 
 
 # ---- entry points ---------------------------------------------------------------------------
