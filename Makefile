@@ -56,6 +56,7 @@ ASAN_LIB = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name
 sanitize: $(DEPS)
 	MEGATRON_P2P_SANITIZE=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
 	cp megatron_p2p/*.py build/asan/megatron_p2p/
+	cp -r megatron_p2p/programs build/asan/megatron_p2p/
 	# From build/asan, so that `python -m` (which puts the working directory first on the path)
 	# imports the instrumented copy; tests/test_build.py checks that it did.
 	cd build/asan && PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD="$(ASAN_LIB)" \
