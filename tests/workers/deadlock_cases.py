@@ -31,93 +31,66 @@ def send_first(torch, comm, peer_send, peer_recv, numel=1024, call="send_first")
     wait_all([comm.isend(out, peer_send, call=call), comm.irecv(buf, peer_recv, call=call)])
 
 
-def partial(torch, dist, mp, me):
-    with mp.init_communicator(timeout=TIMEOUT) as comm:
-        dist.barrier()
-        if me in (0, 1):
-            return caught(lambda: send_first(torch, comm, 1 - me, 1 - me, call="send_forward_recv_forward"))
-        # Ranks 2 and 3 exchange with each other meanwhile, and must not be disturbed.
-        peer = 5 - me
+def partial(torch, comm, me):
+    if me in (0, 1):
+        return caught(lambda: send_first(torch, comm, 1 - me, 1 - me, call="send_forward_recv_forward"))
+    # Ranks 2 and 3 exchange with each other meanwhile, and must not be disturbed.
+    peer = 5 - me
 
-        def exchanges():
-            for i in range(200):
-                a, b = torch.full((256,), float(i)), torch.zeros(256)
-                ops = [(True, a, peer), (False, b, peer)]
-                wait_all(comm.batch(ops, call="pair_exchange"))
-                assert bool((b == i).all())
-        return caught(exchanges)
+    def exchanges():
+        for i in range(200):
+            a, b = torch.full((256,), float(i)), torch.zeros(256)
+            wait_all(comm.batch([(True, a, peer), (False, b, peer)], call="pair_exchange"))
+            assert bool((b == i).all())
+    return caught(exchanges)
 
 
-def three(torch, dist, mp, me):
-    group = dist.new_group([0, 1, 2])
-    if me == 3:
-        return None
-    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
-        dist.barrier(group)
-        return caught(lambda: send_first(torch, comm, comm.next_rank, comm.prev_rank))
+def three(torch, comm, me):
+    return caught(lambda: send_first(torch, comm, comm.next_rank, comm.prev_rank))
 
 
-def lane_order(torch, dist, mp, me):
-    group = dist.new_group([0, 1])
-    if me > 1:
-        return None
-    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
-        dist.barrier(group)
-        peer = 1 - me
+def lane_order(torch, comm, me):
+    peer = 1 - me
 
-        def body():
-            buf, out = torch.zeros(64), torch.ones(64)
-            comm.batch([(False, buf, peer)], lane=1, call="recv_backward")  # queued first on lane 1
-            comm.batch([(True, out, peer)], lane=1, call="send_backward")[0].wait()
-        return caught(body)
+    def body():
+        buf, out = torch.zeros(64), torch.ones(64)
+        comm.batch([(False, buf, peer)], lane=1, call="recv_backward")  # queued first on lane 1
+        comm.batch([(True, out, peer)], lane=1, call="send_backward")[0].wait()
+    return caught(body)
 
 
-def waiter(torch, dist, mp, me):
-    group = dist.new_group([0, 1, 2])
-    if me == 3:
-        return None
-    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
-        dist.barrier(group)
-        if me in (0, 1):
-            return caught(lambda: send_first(torch, comm, 1 - me, 1 - me))
-        return caught(lambda: comm.irecv(torch.zeros(16), 0, call="recv_forward").wait())
+def waiter(torch, comm, me):
+    if me in (0, 1):
+        return caught(lambda: send_first(torch, comm, 1 - me, 1 - me))
+    return caught(lambda: comm.irecv(torch.zeros(16), 0, call="recv_forward").wait())
 
 
-def compute(torch, dist, mp, me):
-    group = dist.new_group([0, 1])
-    if me > 1:
-        return None
-    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
-        dist.barrier(group)
-        if me == 0:
-            return caught(lambda: comm.isend(torch.ones(1024), 1, call="send_forward").wait())
-        time.sleep(3.0)
-        buf = torch.zeros(1024)
-        res = caught(lambda: comm.irecv(buf, 0, call="recv_forward").wait())
-        res["exact"] = bool((buf == 1).all())
-        return res
+def compute(torch, comm, me):
+    if me == 0:
+        return caught(lambda: comm.isend(torch.ones(1024), 1, call="send_forward").wait())
+    time.sleep(3.0)
+    buf = torch.zeros(1024)
+    res = caught(lambda: comm.irecv(buf, 0, call="recv_forward").wait())
+    res["exact"] = bool((buf == 1).all())
+    return res
 
 
-def busy_chain(torch, dist, mp, me):
-    group = dist.new_group([0, 1, 2])
-    if me == 3:
-        return None
-    with mp.init_communicator(group, timeout=TIMEOUT) as comm:
-        dist.barrier(group)
-        if me == 0:
-            return caught(lambda: comm.irecv(torch.zeros(8), 1).wait())
-        if me == 1:
-            def relay():
-                buf = torch.zeros(8)
-                comm.irecv(buf, 2).wait()
-                comm.isend(buf, 0).wait()
-            return caught(relay)
-        time.sleep(2.0)
-        return caught(lambda: comm.isend(torch.ones(8), 1).wait())
+def busy_chain(torch, comm, me):
+    if me == 0:
+        return caught(lambda: comm.irecv(torch.zeros(8), 1).wait())
+    if me == 1:
+        def relay():
+            buf = torch.zeros(8)
+            comm.irecv(buf, 2).wait()
+            comm.isend(buf, 0).wait()
+        return caught(relay)
+    time.sleep(2.0)
+    return caught(lambda: comm.isend(torch.ones(8), 1).wait())
 
 
-SECTIONS = {"partial": partial, "three": three, "lane_order": lane_order, "waiter": waiter, "compute": compute,
-            "busy_chain": busy_chain}
+# name: (the global ranks of its communicator, the section)
+SECTIONS = {"partial": ((0, 1, 2, 3), partial), "three": ((0, 1, 2), three), "lane_order": ((0, 1), lane_order),
+            "waiter": ((0, 1, 2), waiter), "compute": ((0, 1), compute), "busy_chain": ((0, 1, 2), busy_chain)}
 
 
 def body(params):
@@ -130,7 +103,12 @@ def body(params):
     me = dist.get_rank()
     results = {}
     for name in params.get("sections", list(SECTIONS)):
-        results[name] = SECTIONS[name](torch, dist, mp, me)
+        ranks, section = SECTIONS[name]
+        group = dist.new_group(list(ranks))  # collective over every rank
+        if me in ranks:
+            with mp.init_communicator(group, timeout=TIMEOUT) as comm:
+                dist.barrier(group)
+                results[name] = section(torch, comm, me)
         dist.barrier()
     return results
 
