@@ -105,7 +105,7 @@ int mp_request_complete(RequestObject *req, double timeout)
          * dump, Ctrl-C); an exception from one leaves the op pending, for a later wait. */
         while (!mp_op_done(op)) {
             mp_transport *t = comm->transport; /* non-NULL while the op is pending: closing finishes it */
-            double slice = start + timeout;
+            double slice = deadline;
             if (slice > mp_now() + SIGNAL_PERIOD)
                 slice = mp_now() + SIGNAL_PERIOD;
             Py_BEGIN_ALLOW_THREADS
