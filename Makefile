@@ -8,7 +8,7 @@ EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*.c csrc/*.h) setup.py
 TEST_JOBS ?=
 
-.PHONY: all build demo test verify sanitize bench bench-quick clean
+.PHONY: all build fakes demo test verify sanitize bench bench-quick clean
 
 all: build
 
@@ -35,16 +35,31 @@ $(EXT): $(DEPS) $(SOURCES)
 
 build: $(EXT)
 
+# A model of libcuda and libnccl (tests/fakes/) that runs the NCCL backend on CPU in the tests;
+# the package never loads it by itself (MEGATRON_P2P_CUDA_LIBRARY / _NCCL_LIBRARY point at it).
+FAKES := build/fakes/libcuda.so.1 build/fakes/libnccl.so.2
+FAKE_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -pthread
+
+fakes: $(FAKES)
+
+build/fakes/libcuda.so.1: tests/fakes/libcuda.c tests/fakes/mpfake.h
+	mkdir -p $(@D)
+	$(CC) $(FAKE_CFLAGS) -Wl,-soname,libcuda.so.1 -o $@ $<
+
+# Linked against the fake driver next to it ($$ORIGIN), so that both loaders get one copy.
+build/fakes/libnccl.so.2: tests/fakes/libnccl.c tests/fakes/mpfake.h build/fakes/libcuda.so.1
+	$(CC) $(FAKE_CFLAGS) -Wl,-soname,libnccl.so.2 -o $@ $< -Lbuild/fakes -l:libcuda.so.1 '-Wl,-rpath,$$ORIGIN' -lrt
+
 demo: build
 	$(TORCHRUN) --standalone --nproc-per-node 4 -m megatron_p2p.demo
 
-test: build
+test: build fakes
 	$(PY) -m pytest -q $(TEST_JOBS)
 
 # Deadlock freedom, the long way: 1000 random programs through the checker (each against an
 # exhaustive search where small enough), 100 of them replayed on the shm transport, and the full
 # grid of megatron-core's schedules (pp 1-64), under 10 minutes of it on 2 cores.
-verify: build
+verify: build fakes
 	MEGATRON_P2P_VERIFY_PROGRAMS=1000 MEGATRON_P2P_VERIFY_REPLAYS=100 $(PY) -m pytest -q tests/test_check.py tests/test_replay.py
 	$(PY) -m megatron_p2p.check --grid
 
@@ -53,7 +68,7 @@ verify: build
 # libstdc++ is preloaded with it: C++ extensions (matplotlib's) throw, and ASan's __cxa_throw
 # interceptor needs the real one loaded before it.
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so.6)
-sanitize: $(DEPS)
+sanitize: $(DEPS) fakes
 	MEGATRON_P2P_SANITIZE=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
 	cp megatron_p2p/*.py build/asan/megatron_p2p/
 	cp -r megatron_p2p/programs build/asan/megatron_p2p/

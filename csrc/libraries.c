@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <link.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "libraries.h"
@@ -172,19 +173,26 @@ const mp_cuda_lib *mp_cuda_load(char *err, size_t errlen)
     if (cuda_loaded)
         return &cuda_table;
     err[0] = '\0';
-    void *handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    const char *env_path = getenv(MP_CUDA_LIBRARY_ENV);
+    const char *path = env_path && env_path[0] ? env_path : "libcuda.so.1";
+    void *handle = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
     if (!handle) {
         const char *why = dlerror();
-        append(err, errlen, "no CUDA driver (%s): this machine has no usable NVIDIA GPU%s", why ? why : "", "");
+        if (path == env_path) /* an explicit choice is never silently replaced by the system's */
+            append(err, errlen, "%s names a CUDA driver that cannot be loaded (%s); fix or unset it",
+                   MP_CUDA_LIBRARY_ENV, why ? why : path);
+        else
+            append(err, errlen, "no CUDA driver (%s): this machine has no usable NVIDIA GPU%s", why ? why : "", "");
         return NULL;
     }
     mp_cuda_lib lib = {0};
-    if (resolve(handle, &lib, cuda_symbols, sizeof cuda_symbols / sizeof *cuda_symbols, err, errlen,
-                "libcuda.so.1") < 0) {
+    if (resolve(handle, &lib, cuda_symbols, sizeof cuda_symbols / sizeof *cuda_symbols, err, errlen, path) < 0) {
+        if (path == env_path)
+            append(err, errlen, "; %s names a library that cannot be used%s", MP_CUDA_LIBRARY_ENV, "");
         dlclose(handle);
         return NULL;
     }
-    snprintf(lib.path, sizeof lib.path, "libcuda.so.1");
+    snprintf(lib.path, sizeof lib.path, "%s", path);
     cuda_table = lib;
     cuda_loaded = 1;
     return &cuda_table;

@@ -10,6 +10,8 @@
 #include "nccl_abi.h"
 
 #define MP_NCCL_LIBRARY_ENV "MEGATRON_P2P_NCCL_LIBRARY"
+/* The CUDA driver to load instead of libcuda.so.1 (and nothing else when it is set). */
+#define MP_CUDA_LIBRARY_ENV "MEGATRON_P2P_CUDA_LIBRARY"
 #define MP_LIB_PATH_LEN 4096
 
 typedef struct {
@@ -58,7 +60,8 @@ const mp_nccl_lib *mp_nccl_load(const char *env_path, const char *const *bundled
                                 size_t errlen);
 /* The table mp_nccl_load filled; NULL with `err` saying how to load it when it has not been. */
 const mp_nccl_lib *mp_nccl_loaded(char *err, size_t errlen);
-/* Loads the CUDA driver (libcuda.so.1) once; NULL with `err` when there is none. */
+/* Loads the CUDA driver once: $MEGATRON_P2P_CUDA_LIBRARY when set (and nothing else), else
+ * libcuda.so.1 on the system path. NULL with `err` when there is none. */
 const mp_cuda_lib *mp_cuda_load(char *err, size_t errlen);
 
 #endif

@@ -534,6 +534,7 @@ static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
             return r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : MP_ERR_SYSTEM;
         }
         mp_CUresult c = n->cu->EventRecord(n->ready, lane->stream);
+        /* Polled until it fires: a first NOT_READY is the usual answer right after recording. */
         while (c == MP_CUDA_SUCCESS && (c = n->cu->EventQuery(n->ready)) == MP_CUDA_ERROR_NOT_READY) {
             if (mp_now() > deadline) {
                 snprintf(err, errlen, "warming up lane %d: a neighbour (group rank %d or %d) did not take part "
@@ -541,6 +542,7 @@ static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
                 return MP_ERR_TIMEOUT;
             }
             usleep(100);
+            c = MP_CUDA_SUCCESS;
         }
         if (c != MP_CUDA_SUCCESS) {
             snprintf(err, errlen, "warming up lane %d: %s", l, cu_error(n, c));

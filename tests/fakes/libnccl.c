@@ -1,0 +1,801 @@
+/* A model of libnccl's point-to-point subset for running the NCCL backend without a GPU. It
+ * runs across processes: the unique id names a shared-memory segment (mode 0600) through which
+ * the ranks of one communicator meet and move bytes; the name is unlinked once every rank has
+ * attached. Send and receive run as "kernels" on the fake libcuda's streams.
+ *
+ * What it promises, as NCCL does (DESIGN.md, "Semantics"):
+ *   - the k-th send from A to B on a communicator matches the k-th receive by B from A;
+ *   - a communicator's ops run in order on their stream; the ops of one group progress
+ *     together; a send does not complete before its receive is posted;
+ *   - a self send is legal only with its receive in the same group;
+ *   - nonblocking communicators answer ncclInProgress from init and, at random, from
+ *     ncclGroupEnd, until ncclCommGetAsyncError says otherwise (the launch of an in-progress
+ *     group happens in the first ncclCommGetAsyncError past its delay, which the caller must
+ *     poll anyway before using the communicator again);
+ *   - ncclCommAbort unblocks the communicator's stuck work, never waits for peers, and ends the
+ *     communicator: any later call on it fails.
+ * What NCCL leaves undefined fails loudly here: a count or datatype that differs between a send
+ * and its receive is an asynchronous error on both ranks (ncclInvalidUsage, the ranks named by
+ * ncclGetLastError) and the kernels stall until aborted, as a real mismatch stalls; calls with
+ * no current CUDA context, or on a communicator still initialising or aborted, or unbalanced
+ * ncclGroupStart/End, return ncclInvalidUsage (or ncclUnhandledCudaError) with a message.
+ *
+ * Fault injection (environment, read at ncclCommInitRankConfig):
+ *   MPFAKE_NCCL_INIT_IN_PROGRESS_MS=N  nonblocking init stays in progress a random 0..N ms (default 20)
+ *   MPFAKE_NCCL_GROUP_IN_PROGRESS_MS=N nonblocking ncclGroupEnd returns ncclInProgress for a random
+ *                                      0..N ms, every other group at random (default 5; 0: never)
+ *   MPFAKE_NCCL_DELAY_MS=N             each kernel waits N ms before it starts (slow kernels)
+ *   MPFAKE_NCCL_ASYNC_ERROR_AFTER=N    after N completed ops on a communicator, it reports an async
+ *   MPFAKE_NCCL_ASYNC_ERROR_CODE=C     error C (default 6, ncclRemoteError) and its kernels stall
+ *   MPFAKE_NCCL_SILENT_RANK=R          rank R of every communicator never posts its ops ...
+ *   MPFAKE_NCCL_SILENT_AFTER=N         ... after its first N (default 0) on that communicator
+ *   MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER=N  ... only after a communicator's first N groups (default 0)
+ *   MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY=1  ... for every group, for exactly N ms
+ *   MPFAKE_NCCL_SEED=S                 seed of the random in-progress durations (default: pid)
+ *   MPFAKE_NCCL_LOG=PATH               appends one line per ncclInProgress answered (for tests to see
+ *                                      that a path was taken): "init-in-progress MS", "group-in-progress MS" */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "mpfake.h"
+
+typedef enum {
+    ncclSuccess = 0,
+    ncclUnhandledCudaError = 1,
+    ncclSystemError = 2,
+    ncclInternalError = 3,
+    ncclInvalidArgument = 4,
+    ncclInvalidUsage = 5,
+    ncclRemoteError = 6,
+    ncclInProgress = 7,
+} ncclResult_t;
+
+#define VERSION 23007
+#define ID_MAGIC "mpfake-nccl"
+#define CONFIG_MAGIC 0xcafebeefu
+#define MAX_RANKS 64
+#define RING 64              /* receives a rank may have posted ahead of their sends */
+#define CHUNK (64 * 1024)    /* bytes in flight per directed pair */
+#define MAX_GROUP_OPS 4096
+
+typedef struct {
+    char internal[128];
+} ncclUniqueId;
+
+/* ---- the shared segment: one per communicator ------------------------------------------- */
+
+typedef struct {
+    _Atomic uint64_t posted;   /* receives posted by the destination from the source */
+    struct {
+        uint64_t count;
+        int type;
+    } post[RING];
+    _Atomic uint64_t matched;  /* sends that found their receive and agreed with it */
+    _Atomic uint64_t produced, consumed; /* chunks through `data` */
+    uint64_t chunk_len;
+    char data[CHUNK];
+} channel;
+
+typedef struct {
+    _Atomic int nranks;
+    _Atomic uint64_t joined;   /* bit per rank */
+    _Atomic int attached;
+    _Atomic int error_claimed; /* by the rank that writes error_text */
+    _Atomic int error;         /* the first mismatch: an async error on every rank */
+    char error_text[256];
+    channel ch[];              /* [src * nranks + dst] */
+} segment;
+
+/* ---- communicators ------------------------------------------------------------------------ */
+
+typedef struct {
+    int init_in_progress_ms, group_in_progress_ms, delay_ms;
+    long group_in_progress_after;
+    int group_in_progress_every;
+    long async_error_after;
+    int async_error_code;
+    int silent_rank;
+    long silent_after;
+} faults;
+
+struct launch;
+
+typedef struct ncclComm {
+    int alive;                 /* 0 once aborted: every later call fails */
+    int rank, nranks, blocking;
+    CUcontext ctx;
+    char name[128];
+    segment *seg;
+    size_t seg_bytes;
+    _Atomic int state;         /* ncclInProgress while initialising or launching, else its result */
+    _Atomic int aborted;
+    _Atomic int injected;      /* an injected async error, once raised */
+    _Atomic long ops_done;
+    long ops_issued;
+    long groups;
+    uint64_t send_seq[MAX_RANKS], recv_seq[MAX_RANKS]; /* issued, per peer */
+    _Atomic uint64_t sends_done[MAX_RANKS], recvs_done[MAX_RANKS];
+    struct launch *pending;    /* an in-progress ncclGroupEnd's work, launched when it settles */
+    struct timespec pending_until;
+    faults f;
+    char last_error[256];
+    pthread_t init_thread;
+} comm_t;
+
+typedef struct {
+    int send;
+    void *buf;
+    size_t count;
+    int type;
+    int peer;
+    comm_t *comm;
+    CUstream stream;
+    CUcontext ctx;
+    uint64_t seq;
+    int silent;
+} op_t;
+
+/* One kernel: a group's ops of one communicator on one stream. */
+typedef struct {
+    comm_t *comm;
+    int nops;
+    op_t ops[];
+} task_t;
+
+typedef struct launch {
+    int ntasks;
+    task_t **tasks;
+    CUstream *streams;
+} launch_t;
+
+/* The library's process-wide state, as the real one has: a lock over communicator state
+ * changes, and each thread's group. */
+static pthread_mutex_t lib_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Thread_local int group_depth;
+static _Thread_local op_t *group_ops;
+static _Thread_local int group_nops;
+static _Thread_local ncclResult_t group_error;
+static _Thread_local char thread_error[256];
+static unsigned random_state;
+
+static void set_error(comm_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_error(comm_t *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(thread_error, sizeof thread_error, fmt, ap);
+    va_end(ap);
+    if (c)
+        snprintf(c->last_error, sizeof c->last_error, "%s", thread_error);
+    if (getenv("MPFAKE_NCCL_VERBOSE"))
+        fprintf(stderr, "fake libnccl: %s\n", thread_error);
+}
+
+static void sleep_ms(double ms)
+{
+    struct timespec t = {(time_t)(ms / 1000), (long)((ms - (time_t)(ms / 1000) * 1000) * 1e6)};
+    while (nanosleep(&t, &t) == -1 && errno == EINTR) {
+    }
+}
+
+/* Polling back-off for a loop that waits on another process. */
+static void pause_for(unsigned spins)
+{
+    if (spins < 64)
+        sched_yield();
+    else
+        sleep_ms(spins < 2048 ? 0.02 : 0.5);
+}
+
+static int random_below(int n)
+{
+    if (n <= 0)
+        return 0;
+    pthread_mutex_lock(&lib_lock);
+    if (!random_state) {
+        const char *seed = getenv("MPFAKE_NCCL_SEED");
+        random_state = seed ? (unsigned)atoi(seed) + 1 : (unsigned)getpid();
+    }
+    int r = rand_r(&random_state) % (n + 1);
+    pthread_mutex_unlock(&lib_lock);
+    return r;
+}
+
+static void log_line(const char *what, int ms)
+{
+    const char *path = getenv("MPFAKE_NCCL_LOG");
+    if (!path || !path[0])
+        return;
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd < 0)
+        return;
+    char line[64];
+    int n = snprintf(line, sizeof line, "%s %d\n", what, ms);
+    if (write(fd, line, (size_t)n) < 0) { /* a log line lost fails the test that counts them */
+    }
+    close(fd);
+}
+
+static long env_long(const char *name, long fallback)
+{
+    const char *v = getenv(name);
+    return v && v[0] ? atol(v) : fallback;
+}
+
+static size_t type_size(int type)
+{
+    switch (type) {
+    case 0: case 1: case 10: case 11: return 1;
+    case 6: case 9: return 2;
+    case 2: case 3: case 7: return 4;
+    case 4: case 5: case 8: return 8;
+    default: return 0;
+    }
+}
+
+static const char *type_name(int type)
+{
+    static const char *names[] = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "float16",
+                                  "float32", "float64", "bfloat16", "float8e4m3", "float8e5m2"};
+    return type >= 0 && type < 12 ? names[type] : "?";
+}
+
+/* ---- version, ids, errors ------------------------------------------------------------------ */
+
+ncclResult_t ncclGetVersion(int *version)
+{
+    if (!version)
+        return ncclInvalidArgument;
+    *version = VERSION;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
+{
+    if (!id)
+        return ncclInvalidArgument;
+    memset(id, 0, sizeof *id);
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    static _Atomic unsigned counter;
+    snprintf(id->internal, sizeof id->internal, "%s /mpfake-nccl-%d-%lx-%u", ID_MAGIC, (int)getpid(),
+             (unsigned long)(t.tv_nsec ^ t.tv_sec), atomic_fetch_add(&counter, 1));
+    return ncclSuccess;
+}
+
+const char *ncclGetErrorString(ncclResult_t r)
+{
+    switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+    }
+}
+
+const char *ncclGetLastError(comm_t *comm)
+{
+    return comm && comm->last_error[0] ? comm->last_error : thread_error;
+}
+
+/* A usable communicator, or the error its use is. */
+static ncclResult_t usable(comm_t *c, const char *call)
+{
+    if (!c) {
+        set_error(NULL, "%s: communicator is NULL", call);
+        return ncclInvalidArgument;
+    }
+    if (!c->alive) {
+        set_error(c, "%s on a communicator that was aborted", call);
+        return ncclInvalidUsage;
+    }
+    int state = atomic_load(&c->state);
+    if (state == ncclInProgress) {
+        set_error(c, "%s on a nonblocking communicator still in progress: poll ncclCommGetAsyncError until it "
+                  "returns ncclSuccess first", call);
+        return ncclInvalidUsage;
+    }
+    if (state != ncclSuccess) {
+        set_error(c, "%s on a communicator in error (%s)", call, ncclGetErrorString(state));
+        return ncclInvalidUsage;
+    }
+    return ncclSuccess;
+}
+
+/* ---- init ------------------------------------------------------------------------------------ */
+
+static size_t segment_bytes(int nranks)
+{
+    return sizeof(segment) + sizeof(channel) * (size_t)nranks * (size_t)nranks;
+}
+
+/* Attaches to the segment and waits for every rank; the last to attach unlinks the name. */
+static ncclResult_t join(comm_t *c)
+{
+    int fd = shm_open(c->name, O_CREAT | O_RDWR, 0600);
+    if (fd < 0) {
+        set_error(c, "shm_open(%s): %s", c->name, strerror(errno));
+        return ncclSystemError;
+    }
+    c->seg_bytes = segment_bytes(c->nranks);
+    struct stat st;
+    if (fstat(fd, &st) < 0 || ((size_t)st.st_size < c->seg_bytes && ftruncate(fd, (off_t)c->seg_bytes) < 0)) {
+        set_error(c, "sizing %s: %s", c->name, strerror(errno));
+        close(fd);
+        return ncclSystemError;
+    }
+    if ((size_t)st.st_size > c->seg_bytes) {
+        set_error(c, "rank %d joined with nranks %d, but another rank created the communicator larger", c->rank,
+                  c->nranks);
+        close(fd);
+        return ncclInvalidUsage;
+    }
+    void *p = mmap(NULL, c->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        set_error(c, "mmap(%s): %s", c->name, strerror(errno));
+        return ncclSystemError;
+    }
+    segment *s = c->seg = p;
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&s->nranks, &expected, c->nranks) && expected != c->nranks) {
+        set_error(c, "rank %d joined with nranks %d, but the communicator has %d ranks", c->rank, c->nranks,
+                  expected);
+        return ncclInvalidUsage;
+    }
+    uint64_t bit = 1ull << c->rank;
+    if (atomic_fetch_or(&s->joined, bit) & bit) {
+        set_error(c, "rank %d joined the communicator twice (one unique id used for two communicators?)", c->rank);
+        return ncclInvalidUsage;
+    }
+    if (atomic_fetch_add(&s->attached, 1) + 1 == c->nranks)
+        shm_unlink(c->name);
+    for (unsigned spins = 0; atomic_load(&s->attached) < c->nranks; spins++) {
+        if (atomic_load(&c->aborted))
+            return ncclInvalidUsage;
+        pause_for(spins);
+    }
+    return ncclSuccess;
+}
+
+static void *init_main(void *arg)
+{
+    comm_t *c = arg;
+    int ms = random_below(c->f.init_in_progress_ms);
+    log_line("init-in-progress", ms);
+    sleep_ms(ms);
+    atomic_store(&c->state, join(c));
+    return NULL;
+}
+
+ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, int rank, void *config)
+{
+    if (!out)
+        return ncclInvalidArgument;
+    *out = NULL;
+    if (nranks < 1 || nranks > MAX_RANKS || rank < 0 || rank >= nranks) {
+        set_error(NULL, "ncclCommInitRankConfig: rank %d of %d ranks is out of range (the model allows %d ranks)",
+                  rank, nranks, MAX_RANKS);
+        return ncclInvalidArgument;
+    }
+    if (strncmp(id.internal, ID_MAGIC " /", sizeof ID_MAGIC + 1) != 0 || !memchr(id.internal, 0, sizeof id.internal)) {
+        set_error(NULL, "ncclCommInitRankConfig: the unique id did not come from ncclGetUniqueId");
+        return ncclInvalidArgument;
+    }
+    int blocking = 1;
+    if (config) {
+        const struct {
+            size_t size;
+            unsigned magic, version;
+            int blocking;
+        } *prefix = config;
+        if (prefix->magic != CONFIG_MAGIC || prefix->size < sizeof *prefix) {
+            set_error(NULL, "ncclCommInitRankConfig: config was not made by NCCL_CONFIG_INITIALIZER");
+            return ncclInvalidArgument;
+        }
+        blocking = prefix->blocking != 0;
+    }
+    CUcontext ctx = mpfake_current_context();
+    if (!ctx) {
+        set_error(NULL, "ncclCommInitRankConfig: no current CUDA context on this thread");
+        return ncclUnhandledCudaError;
+    }
+    comm_t *c = calloc(1, sizeof *c);
+    if (!c)
+        return ncclSystemError;
+    c->alive = 1;
+    c->rank = rank;
+    c->nranks = nranks;
+    c->blocking = blocking;
+    c->ctx = ctx;
+    snprintf(c->name, sizeof c->name, "%s", id.internal + sizeof ID_MAGIC);
+    c->f.init_in_progress_ms = (int)env_long("MPFAKE_NCCL_INIT_IN_PROGRESS_MS", 20);
+    c->f.group_in_progress_ms = (int)env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_MS", 5);
+    c->f.group_in_progress_after = env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER", 0);
+    c->f.group_in_progress_every = env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY", 0) != 0;
+    c->f.delay_ms = (int)env_long("MPFAKE_NCCL_DELAY_MS", 0);
+    c->f.async_error_after = env_long("MPFAKE_NCCL_ASYNC_ERROR_AFTER", -1);
+    c->f.async_error_code = (int)env_long("MPFAKE_NCCL_ASYNC_ERROR_CODE", ncclRemoteError);
+    c->f.silent_rank = (int)env_long("MPFAKE_NCCL_SILENT_RANK", -1);
+    c->f.silent_after = env_long("MPFAKE_NCCL_SILENT_AFTER", 0);
+    *out = c;
+    if (blocking) {
+        ncclResult_t r = join(c);
+        atomic_store(&c->state, r);
+        return r;
+    }
+    atomic_store(&c->state, ncclInProgress);
+    if (pthread_create(&c->init_thread, NULL, init_main, c) != 0) {
+        atomic_store(&c->state, ncclSystemError);
+        return ncclSystemError;
+    }
+    pthread_detach(c->init_thread);
+    return ncclInProgress;
+}
+
+/* ---- kernels --------------------------------------------------------------------------------- */
+
+static channel *chan(comm_t *c, int src, int dst) { return &c->seg->ch[src * c->nranks + dst]; }
+
+/* A kernel that can no longer progress: it stalls, as a GPU kernel would, until aborted. */
+static int stalled(comm_t *c)
+{
+    return atomic_load(&c->seg->error) || atomic_load(&c->injected);
+}
+
+static void count_done(comm_t *c)
+{
+    long done = atomic_fetch_add(&c->ops_done, 1) + 1;
+    if (c->f.async_error_after >= 0 && done >= c->f.async_error_after && !atomic_exchange(&c->injected, 1))
+        set_error(c, "injected asynchronous error %d after %ld ops on rank %d", c->f.async_error_code, done,
+                  c->rank);
+}
+
+/* One step of a receive; 1 when it is complete. `progress` carries the bytes taken so far. */
+static int recv_step(comm_t *c, op_t *o, size_t *progress, int *posted)
+{
+    channel *ch = chan(c, o->peer, c->rank);
+    if (!*posted) {
+        if (atomic_load(&ch->posted) != o->seq || atomic_load(&c->recvs_done[o->peer]) + RING <= o->seq)
+            return 0;
+        ch->post[o->seq % RING].count = o->count;
+        ch->post[o->seq % RING].type = o->type;
+        atomic_store(&ch->posted, o->seq + 1);
+        *posted = 1;
+    }
+    if (atomic_load(&c->recvs_done[o->peer]) != o->seq || atomic_load(&ch->matched) <= o->seq)
+        return 0; /* an earlier receive from the peer first; then its send must have matched */
+    size_t total = o->count * type_size(o->type);
+    if (*progress < total && atomic_load(&ch->produced) > atomic_load(&ch->consumed)) {
+        memcpy((char *)o->buf + *progress, ch->data, ch->chunk_len);
+        *progress += ch->chunk_len;
+        atomic_fetch_add(&ch->consumed, 1);
+    }
+    if (*progress < total)
+        return 0;
+    atomic_store(&c->recvs_done[o->peer], o->seq + 1);
+    return 1;
+}
+
+static int send_step(comm_t *c, op_t *o, size_t *progress, int *matched)
+{
+    channel *ch = chan(c, c->rank, o->peer);
+    if (atomic_load(&c->sends_done[o->peer]) != o->seq || atomic_load(&ch->posted) <= o->seq)
+        return 0; /* strict rendezvous: the receive must be posted */
+    size_t total = o->count * type_size(o->type);
+    if (!*matched) {
+        uint64_t count = ch->post[o->seq % RING].count;
+        int type = ch->post[o->seq % RING].type;
+        if (count != o->count || type != o->type) {
+            int none = 0;
+            if (atomic_compare_exchange_strong(&c->seg->error_claimed, &none, 1)) {
+                snprintf(c->seg->error_text, sizeof c->seg->error_text,
+                         "rank %d sent %zu x %s to rank %d, which receives %llu x %s", c->rank, o->count,
+                         type_name(o->type), o->peer, (unsigned long long)count, type_name(type));
+                atomic_store(&c->seg->error, ncclInvalidUsage); /* published after its text */
+            }
+            return 0;
+        }
+        atomic_store(&ch->matched, o->seq + 1);
+        *matched = 1;
+    }
+    if (*progress < total && atomic_load(&ch->produced) == atomic_load(&ch->consumed)) {
+        size_t n = total - *progress < CHUNK ? total - *progress : CHUNK;
+        memcpy(ch->data, (const char *)o->buf + *progress, n);
+        ch->chunk_len = n;
+        *progress += n;
+        atomic_fetch_add(&ch->produced, 1);
+    }
+    if (*progress < total || atomic_load(&ch->produced) != atomic_load(&ch->consumed))
+        return 0; /* complete once the receiver has taken every byte */
+    atomic_store(&c->sends_done[o->peer], o->seq + 1);
+    return 1;
+}
+
+static void run_task(void *arg)
+{
+    task_t *t = arg;
+    comm_t *c = t->comm;
+    if (c->f.delay_ms > 0)
+        sleep_ms(c->f.delay_ms);
+    size_t progress[MAX_GROUP_OPS] = {0};
+    int flag[MAX_GROUP_OPS] = {0}, done[MAX_GROUP_OPS] = {0};
+    int left = t->nops;
+    for (unsigned spins = 0; left > 0 && !atomic_load(&c->aborted); spins++) {
+        int moved = 0;
+        for (int i = 0; i < t->nops && !stalled(c); i++) {
+            op_t *o = &t->ops[i];
+            if (done[i] || o->silent)
+                continue;
+            size_t before = progress[i];
+            int before_flag = flag[i];
+            if (o->send ? send_step(c, o, &progress[i], &flag[i]) : recv_step(c, o, &progress[i], &flag[i])) {
+                done[i] = 1;
+                left--;
+                count_done(c);
+            }
+            moved |= done[i] || progress[i] != before || flag[i] != before_flag;
+        }
+        if (moved)
+            spins = 0;
+        else
+            pause_for(spins);
+    }
+    free(t);
+}
+
+/* ---- groups ----------------------------------------------------------------------------------- */
+
+ncclResult_t ncclGroupStart(void)
+{
+    if (group_depth == 0) {
+        group_nops = 0;
+        group_error = ncclSuccess;
+    }
+    group_depth++;
+    return ncclSuccess;
+}
+
+static ncclResult_t add_op(int send, const void *buf, size_t count, int type, int peer, comm_t *c, CUstream stream)
+{
+    const char *call = send ? "ncclSend" : "ncclRecv";
+    ncclResult_t r = usable(c, call);
+    if (r != ncclSuccess)
+        return r;
+    CUcontext ctx = mpfake_current_context(), stream_ctx = NULL;
+    if (!ctx) {
+        set_error(c, "%s: no current CUDA context on this thread", call);
+        return ncclUnhandledCudaError;
+    }
+    if (ctx != c->ctx || mpfake_stream_context(stream, &stream_ctx) != CUDA_SUCCESS || stream_ctx != c->ctx) {
+        set_error(c, "%s: the current CUDA context or the stream is not the communicator's device's", call);
+        return ncclUnhandledCudaError;
+    }
+    if (peer < 0 || peer >= c->nranks || !type_size(type) || (!buf && count)) {
+        set_error(c, "%s: invalid argument (peer %d of %d ranks, datatype %d, buffer %p)", call, peer, c->nranks,
+                  type, buf);
+        return ncclInvalidArgument;
+    }
+    if (group_nops == MAX_GROUP_OPS) {
+        set_error(c, "%s: more than %d ops in one group", call, MAX_GROUP_OPS);
+        return ncclInvalidUsage;
+    }
+    if (!group_ops && !(group_ops = malloc(sizeof(op_t) * MAX_GROUP_OPS)))
+        return ncclSystemError;
+    op_t *o = &group_ops[group_nops++];
+    *o = (op_t){send, (void *)buf, count, type, peer, c, stream, c->ctx, 0, 0};
+    return ncclSuccess;
+}
+
+static void launch(launch_t *l)
+{
+    for (int i = 0; i < l->ntasks; i++)
+        if (mpfake_stream_enqueue(l->tasks[i]->ops[0].ctx, l->streams[i], run_task, l->tasks[i]) != CUDA_SUCCESS) {
+            set_error(l->tasks[i]->comm, "launching a kernel on its stream failed");
+            atomic_store(&l->tasks[i]->comm->state, ncclUnhandledCudaError);
+            free(l->tasks[i]);
+        }
+    free(l->tasks);
+    free(l->streams);
+    free(l);
+}
+
+/* The group's ops as one kernel per (communicator, stream), in issue order. */
+static ncclResult_t close_group(void)
+{
+    op_t *ops = group_ops;
+    size_t n = (size_t)group_nops;
+    group_nops = 0;
+    if (group_error != ncclSuccess)
+        return group_error;
+    if (n == 0)
+        return ncclSuccess;
+    for (size_t i = 0; i < n; i++) { /* a self send needs its receive in this group, and vice versa */
+        int balance = 0;
+        for (size_t j = 0; j < n; j++)
+            if (ops[j].comm == ops[i].comm && ops[j].peer == ops[j].comm->rank)
+                balance += ops[j].send ? 1 : -1;
+        if (ops[i].peer == ops[i].comm->rank && balance != 0) {
+            set_error(ops[i].comm, "a self send on rank %d without its receive in the same group (or the reverse)",
+                      ops[i].comm->rank);
+            return ncclInvalidUsage;
+        }
+    }
+    for (size_t i = 0; i < n; i++) { /* numbered only once the group is sure to launch */
+        op_t *o = &ops[i];
+        comm_t *c = o->comm;
+        o->seq = o->send ? c->send_seq[o->peer]++ : c->recv_seq[o->peer]++;
+        o->silent = c->rank == c->f.silent_rank && c->ops_issued >= c->f.silent_after;
+        c->ops_issued++;
+    }
+    launch_t *l = calloc(1, sizeof *l);
+    if (!l || !(l->tasks = calloc(n, sizeof *l->tasks)) || !(l->streams = calloc(n, sizeof *l->streams)))
+        return ncclSystemError;
+    int nonblocking = 0;
+    for (size_t i = 0; i < n; i++) {
+        int k = 0;
+        while (k < l->ntasks && !(l->tasks[k]->comm == ops[i].comm && l->streams[k] == ops[i].stream))
+            k++;
+        if (k == l->ntasks) {
+            int count = 0;
+            for (size_t j = i; j < n; j++)
+                count += ops[j].comm == ops[i].comm && ops[j].stream == ops[i].stream;
+            l->tasks[k] = calloc(1, sizeof(task_t) + sizeof(op_t) * (size_t)count);
+            l->tasks[k]->comm = ops[i].comm;
+            l->streams[k] = ops[i].stream;
+            l->ntasks++;
+            nonblocking |= !ops[i].comm->blocking;
+        }
+        l->tasks[k]->ops[l->tasks[k]->nops++] = ops[i];
+    }
+    comm_t *first = l->tasks[0]->comm;
+    int eligible = nonblocking && first->groups++ >= first->f.group_in_progress_after;
+    int delay = !eligible ? 0
+                : first->f.group_in_progress_every ? first->f.group_in_progress_ms
+                : random_below(1) ? random_below(first->f.group_in_progress_ms) : 0;
+    if (delay <= 0) {
+        launch(l);
+        return ncclSuccess;
+    }
+    pthread_mutex_lock(&lib_lock);
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_nsec += delay * 1000000L;
+    until.tv_sec += until.tv_nsec / 1000000000L;
+    until.tv_nsec %= 1000000000L;
+    for (int k = 0; k < l->ntasks; k++) {
+        comm_t *c = l->tasks[k]->comm;
+        c->pending = l; /* launched by the first poll on any of them */
+        c->pending_until = until;
+        atomic_store(&c->state, ncclInProgress);
+    }
+    pthread_mutex_unlock(&lib_lock);
+    log_line("group-in-progress", delay);
+    return ncclInProgress;
+}
+
+ncclResult_t ncclGroupEnd(void)
+{
+    if (group_depth == 0) {
+        set_error(NULL, "ncclGroupEnd without ncclGroupStart");
+        return ncclInvalidUsage;
+    }
+    if (--group_depth > 0)
+        return ncclSuccess;
+    return close_group();
+}
+
+ncclResult_t ncclSend(const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
+{
+    if (group_depth == 0) {
+        ncclGroupStart();
+        ncclResult_t r = ncclSend(buf, count, type, peer, comm, stream);
+        ncclResult_t e = ncclGroupEnd();
+        return r != ncclSuccess ? r : e;
+    }
+    ncclResult_t r = add_op(1, buf, count, type, peer, comm, stream);
+    if (r != ncclSuccess && group_error == ncclSuccess)
+        group_error = r;
+    return r;
+}
+
+ncclResult_t ncclRecv(void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
+{
+    if (group_depth == 0) {
+        ncclGroupStart();
+        ncclResult_t r = ncclRecv(buf, count, type, peer, comm, stream);
+        ncclResult_t e = ncclGroupEnd();
+        return r != ncclSuccess ? r : e;
+    }
+    ncclResult_t r = add_op(0, buf, count, type, peer, comm, stream);
+    if (r != ncclSuccess && group_error == ncclSuccess)
+        group_error = r;
+    return r;
+}
+
+/* ---- state, abort ------------------------------------------------------------------------------ */
+
+ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
+{
+    if (!comm || !error)
+        return ncclInvalidArgument;
+    if (!comm->alive) {
+        set_error(comm, "ncclCommGetAsyncError on a communicator that was aborted");
+        return ncclInvalidUsage;
+    }
+    pthread_mutex_lock(&lib_lock);
+    int state = atomic_load(&comm->state);
+    if (state == ncclInProgress && comm->seg && comm->pending_until.tv_sec) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if (t.tv_sec > comm->pending_until.tv_sec ||
+            (t.tv_sec == comm->pending_until.tv_sec && t.tv_nsec >= comm->pending_until.tv_nsec)) {
+            launch_t *l = comm->pending;
+            if (l) {
+                for (int k = 0; k < l->ntasks; k++) {
+                    l->tasks[k]->comm->pending = NULL;
+                    l->tasks[k]->comm->pending_until.tv_sec = 0;
+                    atomic_store(&l->tasks[k]->comm->state, ncclSuccess);
+                }
+                launch(l);
+            }
+            state = atomic_load(&comm->state);
+        }
+    }
+    pthread_mutex_unlock(&lib_lock);
+    if (state == ncclSuccess && comm->seg && atomic_load(&comm->seg->error)) {
+        state = atomic_load(&comm->seg->error);
+        snprintf(comm->last_error, sizeof comm->last_error, "%s", comm->seg->error_text);
+    } else if (state == ncclSuccess && atomic_load(&comm->injected)) {
+        state = comm->f.async_error_code;
+    }
+    *error = (ncclResult_t)state;
+    return ncclSuccess;
+}
+
+/* Local, like NCCL's: the peers learn nothing. The struct outlives the call (a model may keep
+ * it) so that any later use is reported rather than undefined. */
+ncclResult_t ncclCommAbort(comm_t *comm)
+{
+    if (!comm)
+        return ncclSuccess;
+    if (!comm->alive) {
+        set_error(comm, "ncclCommAbort on a communicator that was already aborted");
+        return ncclInvalidUsage;
+    }
+    pthread_mutex_lock(&lib_lock);
+    comm->alive = 0;
+    atomic_store(&comm->aborted, 1);
+    launch_t *l = comm->pending;
+    if (l) { /* an unlaunched group dies with its communicator */
+        for (int k = 0; k < l->ntasks; k++) {
+            l->tasks[k]->comm->pending = NULL;
+            free(l->tasks[k]);
+        }
+        free(l->tasks);
+        free(l->streams);
+        free(l);
+    }
+    pthread_mutex_unlock(&lib_lock);
+    if (comm->seg && atomic_load(&comm->seg->attached) < comm->nranks)
+        shm_unlink(comm->name); /* this rank will never join: no one may wait on the name */
+    return ncclSuccess;
+}

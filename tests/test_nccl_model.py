@@ -1,0 +1,310 @@
+"""The NCCL backend (csrc/nccl.c and its Python side), run on CPU over the fake libcuda and
+libnccl of tests/fakes/: the loader takes them through MEGATRON_P2P_NCCL_LIBRARY and
+MEGATRON_P2P_CUDA_LIBRARY, and the real transport code moves exact bytes, reports a mismatch,
+times out on a peer that never posts, and gets through every ncclInProgress answer."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from conftest import ROOT, WORKERS, run_job
+
+FAKES = ROOT / "build" / "fakes"
+FAKE_ENV = {
+    "MEGATRON_P2P_NCCL_LIBRARY": str(FAKES / "libnccl.so.2"),
+    "MEGATRON_P2P_CUDA_LIBRARY": str(FAKES / "libcuda.so.1"),
+}
+
+
+
+@pytest.fixture(autouse=True)
+def fakes_built() -> None:
+    if not (FAKES / "libnccl.so.2").exists() or not (FAKES / "libcuda.so.1").exists():
+        pytest.fail(f"the fake libraries are not built in {FAKES}: run `make fakes`")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(worker: str, params: dict[str, Any], env: Optional[dict[str, str]] = None, timeout: float = 60) -> dict:
+    """Runs a worker as the only rank of a job, without torchrun (a second or two cheaper)."""
+    with tempfile.TemporaryDirectory(prefix="mp2p-model-") as tmp:
+        run_env = {k: v for k, v in os.environ.items() if not k.startswith("MPFAKE_")}
+        run_env.update(FAKE_ENV, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), MP_RESULT_DIR=tmp,
+                       MP_PARAMS=json.dumps(params), **(env or {}))
+        done = subprocess.run([sys.executable, str(WORKERS / worker)], env=run_env, capture_output=True, text=True,
+                              timeout=timeout)
+        path = Path(tmp) / "rank0.json"
+        assert path.exists(), done.stdout + done.stderr
+        result = json.loads(path.read_text())
+        assert result.get("ok"), result.get("traceback", "") + done.stderr[-3000:]
+        return result["value"]
+
+
+def run_ranks(worker: str, nproc: int, params: dict[str, Any], env: Optional[dict[str, str]] = None,
+              timeout: float = 90) -> list[dict]:
+    return [r["value"] for r in run_job(worker, nproc, params, timeout=timeout, env={**FAKE_ENV, **(env or {})}).ok()]
+
+
+def delivered_exactly(ranks: list[dict]) -> None:
+    by_rank = {v["rank"]: v for v in ranks}
+    assert len({len(v["runs"]) for v in ranks}) == 1 and ranks[0]["runs"], ranks
+    for v in ranks:
+        prev, nxt = by_rank[v["prev"]], by_rank[v["next"]]
+        for mine, theirs_prev, theirs_next in zip(v["runs"], prev["runs"], nxt["runs"]):
+            assert mine["fwd_got"] == theirs_prev["fwd_sent"], (v["rank"], mine["mode"], mine["round"])
+            assert mine["bwd_got"] == theirs_next["bwd_sent"], (v["rank"], mine["mode"], mine["round"])
+
+
+# ---- the model keeps the libraries' promises ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def promises() -> dict:
+    done = subprocess.run([sys.executable, str(WORKERS / "nccl_model_promises.py"), str(FAKES)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_driver_refuses_calls_before_cuinit_and_without_a_current_context(promises):
+    assert promises["before_init"] == 3  # CUDA_ERROR_NOT_INITIALIZED
+    assert promises["stream_without_context"] == promises["still_without_context"] == 201  # INVALID_CONTEXT
+    assert promises["stream_with_context"] == 0
+
+
+def test_an_event_is_not_ready_until_the_work_before_it_has_run(promises):
+    assert promises["query_while_work_runs"] == 600 and promises["query_after_work"] == 0
+
+
+def test_a_stream_waiting_on_an_event_runs_after_the_work_before_it(promises):
+    assert promises["order_while_blocked"] == [] and promises["order"] == ["a", "b"]
+
+
+def test_a_self_send_alone_is_refused_and_paired_in_a_group_delivers(promises):
+    assert promises["lone_self_send"] == 5  # ncclInvalidUsage
+    assert promises["paired_self_send"] == 0 and promises["self_bytes"] == list(range(8))
+
+
+def test_unbalanced_group_end_is_refused(promises):
+    assert promises["group_end_without_start"] == 5
+
+
+def test_nccl_calls_need_the_context_and_a_live_communicator(promises):
+    assert promises["send_without_context"] == 1  # ncclUnhandledCudaError
+    assert promises["send_before_abort"] == [0, 0, 0, 0]
+    assert promises["send_after_abort"] == 5 and "aborted" in promises["after_abort_says"]
+
+
+# ---- the loader --------------------------------------------------------------------------------
+
+LOAD = """
+import json
+import megatron_p2p as mp
+from megatron_p2p import _C
+v = mp.nccl_version()
+try:
+    _C.Communicator("nccl", _C.nccl_unique_id() + _C.nccl_unique_id(), 0, [0], device=0, stream=lambda: 0, timeout=10.0).close()
+    made = None
+except Exception as exc:
+    made = [type(exc).__name__, str(exc)]
+print("RESULT " + json.dumps([v.path, v.source, v.code, made]))
+"""
+
+
+def load(env: dict[str, str]) -> list:
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("MPFAKE_", "MEGATRON_P2P_"))}
+    run_env.update(env)
+    done = subprocess.run([sys.executable, "-c", LOAD], env=run_env, capture_output=True, text=True,
+                          timeout=60)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout + done.stderr
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_the_loader_takes_the_fakes_through_the_two_variables():
+    path, source, code, made = load(FAKE_ENV)
+    assert (path, source, code) == (FAKE_ENV["MEGATRON_P2P_NCCL_LIBRARY"], "env", 23007)
+    assert made is None  # a one-rank communicator opened and closed on the fake driver
+
+
+def test_a_wrong_cuda_library_path_is_an_error_naming_the_variable(tmp_path):
+    missing = str(tmp_path / "no" / "libcuda.so.1")
+    *_, made = load({**FAKE_ENV, "MEGATRON_P2P_CUDA_LIBRARY": missing})
+    assert made is not None and made[0] == "BackendUnavailableError", made
+    assert "MEGATRON_P2P_CUDA_LIBRARY" in made[1] and missing in made[1], made[1]
+
+
+# ---- exchanges ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_one_rank_exchanges_with_itself_exact_bytes_in_both_modes(lanes):
+    v = run_one("nccl_model_exchange.py", {"lanes": lanes, "rounds": 2})
+    assert {r["mode"] for r in v["runs"]} == {"parity", "batched"}
+    delivered_exactly([v])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ranks_exchange_exact_bytes_with_both_neighbours_in_both_modes(nproc):
+    # 100000 elements: more than one chunk of the fake's channel, so the copy loop is exercised
+    delivered_exactly(run_ranks("nccl_model_exchange.py", nproc, {"rounds": 2, "numel": 100_000}))
+
+
+# ---- failures, each paired with its passing case -------------------------------------------------
+
+def test_a_count_that_differs_from_the_receive_raises_on_both_ranks_naming_them():
+    ranks = run_ranks("nccl_model_faults.py", 2, {"case": "mismatch", "wait": 10.0})
+    for v in ranks:
+        assert v["wait"]["type"] is not None and "P2PError" in v["wait"]["mro"], v["wait"]
+        # the package relays NCCL's last error, which here names both ranks and both counts
+        assert "rank 0 sent 1000 x int32 to rank 1, which receives 999 x int32" in v["wait"]["msg"], v["wait"]["msg"]
+        assert v["wait"]["elapsed"] < 5.0, v["wait"]
+
+
+def test_a_count_that_agrees_with_the_receive_is_delivered():
+    ranks = run_ranks("nccl_model_faults.py", 2, {"case": "mismatch", "agree": True})
+    assert all(v["wait"]["type"] is None and v["exact"] for v in ranks), ranks
+
+
+@pytest.fixture(scope="module")
+def silent_peer() -> list[dict]:
+    """Rank 1 posts nothing after each lane's two warm-up ops; rank 0 waits 1 s, rank 1 would
+    wait 10 s."""
+    return run_ranks("nccl_model_faults.py", 2, {"case": "silent", "wait": [1.0, 10.0]},
+                     env={"MPFAKE_NCCL_SILENT_RANK": "1", "MPFAKE_NCCL_SILENT_AFTER": "2"})
+
+
+def test_a_peer_that_never_posts_makes_synchronize_time_out_with_the_report_and_abort(silent_peer):
+    wait = silent_peer[0]["wait"]
+    assert wait["type"] == "P2PTimeoutError", wait
+    assert 1.0 <= wait["elapsed"] < 4.0, wait
+    assert "pending ops of rank 0" in wait["msg"] and "send_next to rank 1" in wait["msg"], wait["msg"]
+    assert silent_peer[0]["next_call"]["type"] is not None, silent_peer[0]  # the communicator is aborted
+    assert silent_peer[0]["close_seconds"] < 2.0, silent_peer[0]
+
+
+@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9: the abort relay records the local rank as the cause (new finding of the model)")
+def test_a_rank_that_times_out_aborts_its_peer_through_the_relay_naming_itself(silent_peer):
+    """Rank 0's abort reaches rank 1, long before rank 1's own 10 s, through the store and the
+    relay thread (a thread with no CUDA context of its own), and says which rank gave up."""
+    relayed = silent_peer[1]["wait"]
+    assert relayed["type"] is not None and relayed["elapsed"] < 5.0, relayed
+    assert "group rank 0" in relayed["msg"], relayed["msg"]
+
+
+REMOTE_ERROR_AFTER_WARM_UP = {"MPFAKE_NCCL_ASYNC_ERROR_AFTER": "2"}  # then ncclRemoteError, and kernels stall
+
+
+def test_an_asynchronous_remote_error_fails_the_wait_at_once_as_a_peer_failure():
+    v = run_one("nccl_model_faults.py", {"case": "silent", "wait": 10.0},
+                env={**REMOTE_ERROR_AFTER_WARM_UP, "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "0"})
+    assert v["wait"]["type"] == "PeerFailureError" and v["wait"]["elapsed"] < 2.0, v["wait"]
+    assert "injected asynchronous error" in v["wait"]["msg"], v["wait"]["msg"]
+
+
+@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9: ncclRemoteError while ncclGroupEnd settles is a plain P2PError (new finding of the model)")
+def test_a_remote_error_seen_while_a_group_end_settles_is_a_peer_failure_too():
+    """The same ncclRemoteError, met by ncclGroupEnd's ncclInProgress wait instead of a host wait."""
+    v = run_one("nccl_model_faults.py", {"case": "silent", "wait": 10.0},
+                env={**REMOTE_ERROR_AFTER_WARM_UP, **STUCK_GROUP_END, "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "50"})
+    assert v["wait"]["type"] == "PeerFailureError", v["wait"]
+
+
+def test_a_peer_that_posts_completes_within_the_same_wait():
+    ranks = run_ranks("nccl_model_faults.py", 2, {"case": "silent", "wait": 1.0})
+    assert all(v["wait"]["type"] is None and v["next_call"]["type"] is None for v in ranks), ranks
+
+
+# ---- ncclInProgress ----------------------------------------------------------------------------------
+
+def in_progress_log(tmp_path, env: dict[str, str]) -> tuple[dict, list[str]]:
+    log = tmp_path / "in_progress.log"
+    v = run_one("nccl_model_exchange.py", {"rounds": 2}, env={"MPFAKE_NCCL_LOG": str(log), **env})
+    return v, log.read_text().split() if log.exists() else []
+
+
+def test_init_that_answers_in_progress_for_a_while_completes(tmp_path):
+    v, log = in_progress_log(tmp_path, {"MPFAKE_NCCL_INIT_IN_PROGRESS_MS": "300", "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "0"})
+    delivered_exactly([v])
+    assert log[0::2] == ["init-in-progress"] * 2, log  # one nonblocking init per lane
+
+
+def test_group_end_that_answers_in_progress_completes_every_exchange(tmp_path):
+    v, log = in_progress_log(tmp_path, {"MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "20",
+                                        "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1"})
+    delivered_exactly([v])
+    assert log.count("group-in-progress") >= 8, log  # warm-up and every exchange's groups
+
+
+# ---- the review findings (reviews/nccl_path.md) --------------------------------------------------
+
+SILENT_SELF = {"MPFAKE_NCCL_SILENT_RANK": "0", "MPFAKE_NCCL_SILENT_AFTER": "2"}  # after each lane's warm-up
+
+
+@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9 / review finding 1: nothing watches the lane streams until the watchdog exists")
+def test_an_op_waited_on_the_stream_only_is_still_timed():
+    """Finding 1: Request.wait() on CUDA only orders the current stream. An op whose peer never
+    posts must still fail the communicator once its timeout has passed, or the job hangs in the
+    next host sync, outside this package."""
+    v = run_one("nccl_model_findings.py", {"case": "watch", "timeout": 1.0, "idle": 2.0}, env=SILENT_SELF)
+    assert v["wait"]["type"] is None and v["wait"]["elapsed"] < 0.5, v["wait"]  # stream-ordered: no host block
+    assert v["next_call"]["type"] == "P2PTimeoutError", v["next_call"]
+
+
+def test_an_op_that_completes_after_a_stream_wait_leaves_the_communicator_usable():
+    v = run_one("nccl_model_findings.py", {"case": "watch", "timeout": 1.0, "idle": 2.0})
+    assert v["wait"]["type"] is None and v["next_call"]["type"] is None, v
+
+
+@pytest.mark.parametrize("torch_context", [False, True], ids=["no-context", "torch-made-it-current"])
+def test_every_call_leaves_the_threads_current_context_as_it_found_it(torch_context):
+    """Finding 4: the model refuses every driver call made without the right current context, so
+    these calls passing means none is made so; and the caller's context comes back unchanged."""
+    v = run_one("nccl_model_findings.py", {"case": "context", "torch_context": torch_context})
+    assert v["had_context"] == torch_context
+    assert all(v["unchanged"].values()), v["unchanged"]
+
+
+STUCK_GROUP_END = {  # every group after each lane's warm-up answers ncclInProgress for 3 s
+    "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "3000",
+    "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1",
+    "MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER": "1",
+}
+
+
+@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9 / review finding 2: nccl_post holds the lock while ncclGroupEnd settles")
+def test_abort_reaches_a_group_stuck_in_progress_at_once():
+    """Finding 2: an abort (from the relay or a watchdog thread) while ncclGroupEnd is still in
+    progress must not wait for the launch to settle."""
+    v = run_one("nccl_model_findings.py", {"case": "abort", "abort_after": 0.5, "timeout": 10.0}, env=STUCK_GROUP_END)
+    assert v["exchange"]["type"] is not None, v
+    assert v["abort_returned_after"] < 0.5, v
+    assert v["exchange"]["since_start"] < 1.5, v
+
+
+def test_abort_with_no_group_in_progress_returns_at_once():
+    v = run_one("nccl_model_findings.py", {"case": "abort", "abort_after": 0.5, "timeout": 10.0}, env=SILENT_SELF)
+    assert v["exchange"]["type"] is not None and v["abort_returned_after"] < 0.5, v
+
+
+def test_close_with_work_that_never_completes_waits_out_the_timeout_then_aborts():
+    """Finding 3, as the code behaves today: close() gives pending work the communicator's
+    timeout (at exit too, through the atexit hook), then aborts."""
+    v = run_one("nccl_model_findings.py", {"case": "close", "timeout": 2.0}, env=SILENT_SELF)
+    assert 2.0 <= v["close_seconds"] < 3.0, v
+
+
+def test_close_with_nothing_pending_returns_at_once():
+    v = run_one("nccl_model_findings.py", {"case": "close", "timeout": 2.0})
+    assert v["close_seconds"] < 0.5, v

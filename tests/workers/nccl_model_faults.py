@@ -1,0 +1,46 @@
+"""Failure cases of the NCCL backend over the fake libraries (params["case"]):
+  mismatch  rank 0 sends 1000 int32 to rank 1, which receives 999 (or 1000 when "agree")
+  silent    one exchange, then synchronize(timeout) while the fake keeps a rank from posting
+            ("wait" is one timeout for all ranks, or a list with one per rank)
+  close     an exchange left pending (the peer never posts), then close(): how long it takes
+Each rank reports what its calls raised (harness.caught) and how long they took."""
+import time
+
+import harness
+import nccl_model_cuda
+
+
+def body(params):
+    nccl_model_cuda.install()
+    import torch
+    import megatron_p2p as mp
+
+    on = nccl_model_cuda.on_device
+    case = params["case"]
+    out = {}
+    comm = mp.init_communicator(backend="nccl", timeout=params.get("timeout", 20.0))
+    if case == "mismatch":
+        n = 1000 if comm.rank == 0 or params.get("agree") else 999
+        t = torch.arange(n, dtype=torch.int32)
+        got = torch.zeros(n, dtype=torch.int32)
+        reqs = comm.exchange(send_next=on(t)) if comm.rank == 0 else comm.exchange(recv_prev=on(got))
+        out["wait"] = harness.caught(lambda: [r.synchronize(timeout=params.get("wait", 10.0)) for r in reqs.values()])
+        out["exact"] = comm.rank == 0 or bool(torch.equal(got, torch.arange(n, dtype=torch.int32)))
+    elif case == "silent":
+        t = torch.ones(64, dtype=torch.float32)
+        got = torch.zeros(64, dtype=torch.float32)
+        reqs = comm.exchange(send_next=on(t), recv_prev=on(got))
+        wait = params["wait"][comm.rank] if isinstance(params["wait"], list) else params["wait"]
+        out["wait"] = harness.caught(lambda: [r.synchronize(timeout=wait) for r in reqs.values()])
+        out["next_call"] = harness.caught(lambda: comm.exchange(send_next=on(t), recv_prev=on(got)))
+    elif case == "close":
+        t = torch.ones(64, dtype=torch.float32)
+        got = torch.zeros(64, dtype=torch.float32)
+        comm.exchange(send_next=on(t), recv_prev=on(got))
+    start = time.monotonic()
+    comm.close()
+    out["close_seconds"] = time.monotonic() - start
+    return out
+
+
+harness.run(body)
