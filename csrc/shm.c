@@ -462,6 +462,8 @@ static mp_result shm_abort_cause(mp_transport *t, int *rank)
  * nothing more). The second needs each peer's state, so only blocked waits ask for it. */
 static int fail_unserved(shm_t *s, int departed)
 {
+    if (atomic_load(&my_slot(s)->fence))
+        return 0; /* this rank is in the cycle itself: fail_everything() gives its ops DeadlockError */
     int failed = 0;
     for (int l = 0; l < s->base.nlanes; l++) {
         mp_step *step = s->lanes[l].head;
