@@ -745,10 +745,17 @@ done:
 
 /* ---- control ----------------------------------------------------------------------------- */
 
-static PyObject *comm_abort(CommObject *self, PyObject *Py_UNUSED(ignored))
+static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"rank", NULL};
+    PyObject *rank_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$O:abort", kwlist, &rank_obj))
+        return NULL;
+    int cause = self->group_rank;
+    if (rank_obj != Py_None && (cause = group_rank_of(self, rank_obj, "rank")) < 0)
+        return NULL;
     if (self->transport)
-        self->transport->ops->abort(self->transport, MP_ERR_ABORTED, self->group_rank);
+        self->transport->ops->abort(self->transport, MP_ERR_ABORTED, cause);
     Py_RETURN_NONE;
 }
 
@@ -913,8 +920,9 @@ static PyMethodDef comm_methods[] = {
     {"batch", (PyCFunction)(void (*)(void))comm_batch, METH_VARARGS | METH_KEYWORDS,
      "batch(ops, *, lane=0, call=None) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on "
      "`lane`, after every op issued before on it."},
-    {"abort", (PyCFunction)comm_abort, METH_NOARGS,
-     "Fails every pending op here and at every peer. Idempotent."},
+    {"abort", (PyCFunction)(void (*)(void))comm_abort, METH_VARARGS | METH_KEYWORDS,
+     "abort(*, rank=None) -> None\n\nFails every pending op here and at every peer. Idempotent. rank: the "
+     "global rank whose failure this abort passes on (default: this one), which reports name as the cause."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
     {"stats", (PyCFunction)comm_stats, METH_NOARGS, "Messages and bytes posted, and seconds spent in wait()."},

@@ -124,7 +124,7 @@ def init_communicator(
             single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), **common,
         )
     else:
-        relay = nccl.AbortRelay(store, f"{base}/{generation}/abort")
+        relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)
         with torch.cuda.device(dev.index):
             comm = _C.Communicator(
                 "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import threading
 import warnings
@@ -118,12 +119,13 @@ class AbortRelay:
 
     POLL_SECONDS = 0.2
 
-    def __init__(self, store, key: str):
+    def __init__(self, store, key: str, rank: int):
         self._store = store
         self._key = key
+        self._rank = rank  # this process's global rank: the cause its peers will name
 
     def publish(self, message: Optional[str]) -> None:
-        self._store.set(self._key, (message or "aborted").encode())
+        self._store.set(self._key, json.dumps({"rank": self._rank, "message": message or "aborted"}).encode())
 
     def watch(self, comm: "_C.Communicator") -> None:
         ref = weakref.ref(comm)
@@ -140,7 +142,7 @@ class AbortRelay:
             except Exception:  # the store is gone: the job is ending
                 return
             if raised:
-                comm.abort()
+                comm.abort(rank=json.loads(self._store.get(self._key))["rank"])
                 return
             del comm
             threading.Event().wait(self.POLL_SECONDS)

@@ -194,7 +194,6 @@ def test_a_peer_that_never_posts_makes_synchronize_time_out_with_the_report_and_
     assert silent_peer[0]["close_seconds"] < 2.0, silent_peer[0]
 
 
-@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9: the abort relay records the local rank as the cause (new finding of the model)")
 def test_a_rank_that_times_out_aborts_its_peer_through_the_relay_naming_itself(silent_peer):
     """Rank 0's abort reaches rank 1, long before rank 1's own 10 s, through the store and the
     relay thread (a thread with no CUDA context of its own), and says which rank gave up."""
