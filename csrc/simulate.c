@@ -75,16 +75,25 @@ struct mp_sim {
     int64_t npending;
 };
 
+/* A growing array of `elem`-byte elements with room for one more: `v` itself, or its larger
+ * copy; NULL when memory runs out (`v` is then left as it was). */
+static void *reserve(void *v, size_t n, size_t *cap, size_t elem)
+{
+    if (n < *cap)
+        return v;
+    size_t grown = *cap ? *cap * 2 : 64;
+    void *p = realloc(v, grown * elem);
+    if (p)
+        *cap = grown;
+    return p;
+}
+
 static int push(int_list *l, int32_t x)
 {
-    if (l->n == l->cap) {
-        size_t cap = l->cap ? l->cap * 2 : 64;
-        int32_t *v = realloc(l->v, cap * sizeof *v);
-        if (!v)
-            return -1;
-        l->v = v;
-        l->cap = cap;
-    }
+    int32_t *v = reserve(l->v, l->n, &l->cap, sizeof *v);
+    if (!v)
+        return -1;
+    l->v = v;
     l->v[l->n++] = x;
     return 0;
 }
@@ -685,14 +694,10 @@ typedef struct {
 
 static int push_edge(edge_list *l, int32_t target, int32_t op)
 {
-    if (l->n == l->cap) {
-        size_t cap = l->cap ? l->cap * 2 : 64;
-        sim_edge *v = realloc(l->v, cap * sizeof *v);
-        if (!v)
-            return -1;
-        l->v = v;
-        l->cap = cap;
-    }
+    sim_edge *v = reserve(l->v, l->n, &l->cap, sizeof *v);
+    if (!v)
+        return -1;
+    l->v = v;
     l->v[l->n++] = (sim_edge){target, op};
     return 0;
 }

@@ -703,32 +703,29 @@ ncclResult_t ncclGroupEnd(void)
     return close_group();
 }
 
-ncclResult_t ncclSend(const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
+/* Outside a group an op is a group of its own, as in NCCL. */
+static ncclResult_t post_op(int is_send, const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
 {
     if (group_depth == 0) {
         ncclGroupStart();
-        ncclResult_t r = ncclSend(buf, count, type, peer, comm, stream);
+        ncclResult_t r = post_op(is_send, buf, count, type, peer, comm, stream);
         ncclResult_t e = ncclGroupEnd();
         return r != ncclSuccess ? r : e;
     }
-    ncclResult_t r = add_op(1, buf, count, type, peer, comm, stream);
+    ncclResult_t r = add_op(is_send, buf, count, type, peer, comm, stream);
     if (r != ncclSuccess && group_error == ncclSuccess)
         group_error = r;
     return r;
 }
 
+ncclResult_t ncclSend(const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
+{
+    return post_op(1, buf, count, type, peer, comm, stream);
+}
+
 ncclResult_t ncclRecv(void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
 {
-    if (group_depth == 0) {
-        ncclGroupStart();
-        ncclResult_t r = ncclRecv(buf, count, type, peer, comm, stream);
-        ncclResult_t e = ncclGroupEnd();
-        return r != ncclSuccess ? r : e;
-    }
-    ncclResult_t r = add_op(0, buf, count, type, peer, comm, stream);
-    if (r != ncclSuccess && group_error == ncclSuccess)
-        group_error = r;
-    return r;
+    return post_op(0, buf, count, type, peer, comm, stream);
 }
 
 /* ---- state, abort ------------------------------------------------------------------------------ */
