@@ -43,6 +43,7 @@ typedef struct {
     PyObject *stream_fn;     /* device transports: () -> the caller's current stream, as an int */
     PyObject *on_abort;      /* called with a message when this rank aborts the communicator */
     PyObject *on_error;      /* called with each P2PError about to be raised (the flight recorder dumps) */
+    PyObject *abort_report;  /* str: what the watchdog found when it aborted the communicator, or NULL */
     mp_trace *trace;
     uint64_t calls;          /* API calls that posted ops: exchange, isend, irecv, batch */
     char id[20];             /* the same on every rank of this communicator: hex of its unique id */
@@ -78,6 +79,8 @@ extern PyType_Spec mp_request_spec;
 RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffer *buf);
 /* Blocks (GIL released) until the request's op is done, then raises its failure if any. */
 int mp_request_complete(RequestObject *req, double timeout);
+/* The exception class of a failure. */
+PyObject *mp_failure_type(mp_state *st, mp_result r);
 /* Raises the exception that describes a finished op's failure. */
 void mp_raise_op_failure(CommObject *comm, const mp_op *op);
 /* The pending-op report used by timeouts and aborts. */

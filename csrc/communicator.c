@@ -252,6 +252,7 @@ static void comm_dealloc(CommObject *self)
     Py_XDECREF(self->stream_fn);
     Py_XDECREF(self->on_abort);
     Py_XDECREF(self->on_error);
+    Py_XDECREF(self->abort_report);
     PyMem_Free(self->trace);
     PyMem_Free(self->global_ranks);
     PyMem_Free(self->send_seq);
@@ -346,11 +347,14 @@ static int check_usable(CommObject *self)
     }
     int rank;
     mp_result cause = self->transport->ops->abort_cause(self->transport, &rank);
+    if (cause != MP_OK && self->abort_report) {
+        PyErr_Format(mp_failure_type(self->state, cause), "communicator was aborted by the watchdog; create a new "
+                     "one\n%U", self->abort_report);
+        mp_comm_error_hook(self);
+        return -1;
+    }
     if (cause != MP_OK) {
-        PyObject *exc = cause == MP_ERR_TIMEOUT     ? self->state->P2PTimeoutError
-                      : cause == MP_ERR_PEER_DEAD ? self->state->PeerFailureError
-                      : cause == MP_ERR_DEADLOCK  ? self->state->DeadlockError
-                                                  : self->state->P2PError;
+        PyObject *exc = mp_failure_type(self->state, cause);
         char report[4096] = "";
         if (self->transport->ops->failure_report)
             self->transport->ops->failure_report(self->transport, NULL, report, sizeof report);
@@ -759,6 +763,32 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+/* Called by the process's watchdog thread. The GIL stays held: the check is short (the transport
+ * never waits on the peers in it), and a close() meanwhile cannot free the transport. */
+static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    mp_transport *t = self->transport;
+    char detail[256] = "";
+    mp_result cause = t && t->ops->watch ? t->ops->watch(t, self->timeout, detail, sizeof detail) : MP_OK;
+    if (cause == MP_OK)
+        Py_RETURN_NONE;
+    PyObject *report = mp_comm_pending_report(self);
+    if (!report)
+        return NULL;
+    PyObject *msg = PyUnicode_FromFormat("rank %d: the watchdog found %s: %s; the communicator is aborted.\n%U",
+                                         self->global_ranks[self->group_rank],
+                                         cause == MP_ERR_TIMEOUT ? "an op past its timeout" : "an asynchronous error",
+                                         detail, report);
+    Py_DECREF(report);
+    if (!msg)
+        return NULL;
+    t->ops->abort(t, cause, self->group_rank);
+    Py_XSETREF(self->abort_report, Py_NewRef(msg));
+    PyObject *exc = PyObject_CallOneArg(mp_failure_type(self->state, cause), msg);
+    Py_DECREF(msg);
+    return exc;
+}
+
 static PyObject *comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     comm_shutdown(self);
@@ -931,6 +961,11 @@ static PyMethodDef comm_methods[] = {
      "(global rank), nbytes, dtype, lane, step (per lane), seq (per pair and lane), group_size, call (the k-th "
      "API call), call_name, state (posted, matched, completed or failed), error ('' or the failure class), "
      "t_posted and t_completed (wall-clock seconds; None while pending) and waited (wait() was called)."},
+    {"watchdog_check", (PyCFunction)comm_watchdog_check, METH_NOARGS,
+     "watchdog_check() -> exception or None\n\nFor the process's watchdog (megatron_p2p.watchdog). NCCL: finishes "
+     "the ops whose device work has completed; when device work has been pending longer than the timeout, or "
+     "NCCL reports an asynchronous error, aborts the lane communicators and returns the exception (not raised) "
+     "whose report the next call on this communicator raises. Always None on shm, whose waits time themselves."},
     {"single_copy", (PyCFunction)comm_single_copy, METH_O,
      "single_copy(peer) -> bool: whether large messages from `peer` arrive with one copy (CMA)."},
     {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},

@@ -63,6 +63,7 @@ mp_ncclResult_t mp_nccl_issue(const mp_nccl_calls *calls, void *ctx, const mp_st
 
 typedef struct fence {
     mp_CUevent event;
+    double recorded;         /* mp_now() at end(): the watchdog's clock for its steps */
     mp_step *steps;          /* the steps this event completes, in issue order */
     struct fence *next;
 } fence;
@@ -86,7 +87,11 @@ typedef struct {
     double timeout;
     lane_t lanes[2];
     fence *spare;            /* recycled fences, each with its event */
-    pthread_mutex_t lock;    /* abort() may come from another thread */
+    /* `issue` orders the posting calls of threads sharing the communicator; `lock` guards the
+     * state and every call on a lane communicator, and is dropped while a launch settles, so
+     * that an abort from the relay or the watchdog reaches a group stuck in ncclInProgress. */
+    pthread_mutex_t issue;
+    pthread_mutex_t lock;
     mp_result cause;
     int cause_rank;
     char cause_detail[256];
@@ -162,6 +167,12 @@ static void fail_all(nccl_t *n, mp_result r, const char *detail)
     }
 }
 
+/* The package's failure for an NCCL result: a remote error means a peer failed. */
+static mp_result cause_of(mp_ncclResult_t r)
+{
+    return r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : r == MP_NCCL_REMOTE_ERROR ? MP_ERR_PEER_DEAD : MP_ERR_SYSTEM;
+}
+
 /* Lock held. ncclCommAbort does not wait for the peers, so it is safe at any point. */
 static void abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail)
 {
@@ -189,19 +200,33 @@ static mp_result fail_cuda(nccl_t *n, const char *what, mp_CUresult r)
     return MP_ERR_SYSTEM;
 }
 
-/* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. */
-static mp_ncclResult_t settle(nccl_t *n, mp_ncclComm_t comm, double deadline)
+static void pause_polling(unsigned polls)
+{
+    if (polls > 64) /* a short spin catches fast completions; then poll gently */
+        usleep(polls > 4096 ? 1000 : 20);
+}
+
+/* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. With
+ * `locked`, the caller holds n->lock: it is released between polls, and an abort meanwhile
+ * (which frees `comm`) ends the wait with MP_NCCL_ABORTED. */
+static mp_ncclResult_t settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int locked)
 {
     mp_ncclResult_t state = MP_NCCL_IN_PROGRESS;
-    for (unsigned spins = 0;; spins++) {
+    for (unsigned polls = 0;; polls++) {
         if (n->nccl->CommGetAsyncError(comm, &state) != MP_NCCL_SUCCESS)
             return MP_NCCL_INTERNAL_ERROR;
         if (state != MP_NCCL_IN_PROGRESS)
             return state;
         if (mp_now() > deadline)
             return MP_NCCL_TIMEOUT;
-        if (spins > 64)
-            usleep(spins > 4096 ? 1000 : 20);
+        if (locked)
+            pthread_mutex_unlock(&n->lock);
+        pause_polling(polls);
+        if (locked) {
+            pthread_mutex_lock(&n->lock);
+            if (n->cause != MP_OK)
+                return MP_NCCL_ABORTED;
+        }
     }
 }
 
@@ -230,20 +255,30 @@ static void progress_locked(nccl_t *n)
     }
 }
 
-/* An asynchronous NCCL error (a remote failure, a dead connection) aborts everything. */
-static void check_async_locked(nccl_t *n)
+/* An asynchronous NCCL error (a remote failure, a dead connection) on any lane: its cause, or
+ * MP_OK. Lock held. */
+static mp_result async_error_locked(nccl_t *n, char *detail, size_t len)
 {
-    for (int l = 0; l < n->base.nlanes && n->cause == MP_OK; l++) {
+    for (int l = 0; l < n->base.nlanes; l++) {
         mp_ncclResult_t state = MP_NCCL_SUCCESS;
         if (!n->lanes[l].comm || n->nccl->CommGetAsyncError(n->lanes[l].comm, &state) != MP_NCCL_SUCCESS)
             continue;
         if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
-            char detail[256];
-            snprintf(detail, sizeof detail, "NCCL reported an asynchronous error on lane %d: %s", l,
+            snprintf(detail, len, "NCCL reported an asynchronous error on lane %d: %s", l,
                      nccl_error(n, n->lanes[l].comm, state));
-            abort_locked(n, state == MP_NCCL_REMOTE_ERROR ? MP_ERR_PEER_DEAD : MP_ERR_SYSTEM, n->base.rank, detail);
+            return cause_of(state);
         }
     }
+    return MP_OK;
+}
+
+/* Such an error aborts everything. Lock held. */
+static void check_async_locked(nccl_t *n)
+{
+    char detail[256];
+    mp_result cause = n->cause == MP_OK ? async_error_locked(n, detail, sizeof detail) : MP_OK;
+    if (cause != MP_OK)
+        abort_locked(n, cause, n->base.rank, detail);
 }
 
 /* ---- the real NCCL calls ------------------------------------------------------------------ */
@@ -255,7 +290,7 @@ static mp_ncclResult_t real_group_end(void *ctx, int lane)
     nccl_t *n = ctx;
     mp_ncclResult_t r = n->nccl->GroupEnd();
     /* The launch may finish asynchronously; the lane's event must be recorded after it. */
-    return r == MP_NCCL_IN_PROGRESS ? settle(n, n->lanes[lane].comm, mp_now() + n->timeout) : r;
+    return r == MP_NCCL_IN_PROGRESS ? settle(n, n->lanes[lane].comm, mp_now() + n->timeout, 1) : r;
 }
 
 static mp_ncclResult_t real_send(void *ctx, const mp_op *op, size_t count, mp_ncclDataType_t type)
@@ -279,6 +314,7 @@ static const mp_nccl_calls real_calls = {real_group_start, real_group_end, real_
 static mp_result nccl_begin(mp_transport *t, void *stream)
 {
     nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->issue);
     pthread_mutex_lock(&n->lock);
     mp_result res = n->cause != MP_OK ? n->cause : MP_OK;
     if (res == MP_OK) {
@@ -291,19 +327,23 @@ static mp_result nccl_begin(mp_transport *t, void *stream)
             res = fail_cuda(n, "ordering the lanes after the caller's stream failed", r);
     }
     pthread_mutex_unlock(&n->lock);
+    pthread_mutex_unlock(&n->issue);
     return res;
 }
 
 static mp_result nccl_post(mp_transport *t, mp_step *step)
 {
     nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->issue);
     pthread_mutex_lock(&n->lock);
     if (n->cause != MP_OK) {
         mp_result cause = n->cause;
         pthread_mutex_unlock(&n->lock);
+        pthread_mutex_unlock(&n->issue);
         return cause;
     }
-    lane_t *lane = &n->lanes[step->lane];
+    int l = step->lane;
+    lane_t *lane = &n->lanes[l];
     for (int i = 0; i < step->nops; i++) {
         step->ops[i]->index = i;
         atomic_store_explicit(&step->ops[i]->state, MP_OP_ACTIVE, memory_order_release);
@@ -313,23 +353,24 @@ static mp_result nccl_post(mp_transport *t, mp_step *step)
         lane->open_tail->next = step;
     else
         lane->open_head = step;
-    lane->open_tail = step; /* owned from here on, so a failure below finishes its ops */
+    lane->open_tail = step; /* owned from here on: an abort (even while the launch settles) frees it */
     mp_CUcontext saved = enter(n);
     mp_ncclResult_t r = mp_nccl_issue(&real_calls, n, step, n->nccl->version);
     leave(n, saved);
-    if (r != MP_NCCL_SUCCESS) {
+    if (r != MP_NCCL_SUCCESS && r != MP_NCCL_ABORTED) {
         char detail[256];
-        snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %s", step->lane,
-                 nccl_error(n, lane->comm, r));
-        abort_locked(n, r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : MP_ERR_SYSTEM, t->rank, detail);
+        snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %s", l, nccl_error(n, lane->comm, r));
+        abort_locked(n, cause_of(r), t->rank, detail);
     }
     pthread_mutex_unlock(&n->lock);
+    pthread_mutex_unlock(&n->issue);
     return MP_OK; /* the step is ours either way; a failure is reported through its ops */
 }
 
 static mp_result nccl_end(mp_transport *t)
 {
     nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->issue);
     pthread_mutex_lock(&n->lock);
     mp_result res = MP_OK;
     mp_CUcontext saved = enter(n);
@@ -359,6 +400,7 @@ static mp_result nccl_end(mp_transport *t)
             break;
         }
         f->steps = lane->open_head;
+        f->recorded = mp_now();
         f->next = NULL;
         for (mp_step *s = f->steps; s; s = s->next)
             for (int i = 0; i < s->nops; i++)
@@ -372,6 +414,7 @@ static mp_result nccl_end(mp_transport *t)
     }
     leave(n, saved);
     pthread_mutex_unlock(&n->lock);
+    pthread_mutex_unlock(&n->issue);
     return res;
 }
 
@@ -399,8 +442,7 @@ static mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline)
             return MP_OK;
         if (mp_now() > deadline)
             return MP_ERR_TIMEOUT;
-        if (polls > 64) /* a short spin catches fast completions; then poll gently */
-            usleep(polls > 4096 ? 1000 : 20);
+        pause_polling(polls);
     }
 }
 
@@ -420,6 +462,28 @@ static mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
     }
     pthread_mutex_unlock(&n->lock);
     return res;
+}
+
+static mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_t len)
+{
+    nccl_t *n = (nccl_t *)t;
+    mp_result cause = MP_OK;
+    pthread_mutex_lock(&n->lock);
+    if (n->cause == MP_OK) {
+        progress_locked(n);
+        cause = async_error_locked(n, detail, len);
+        double now = mp_now();
+        for (int l = 0; cause == MP_OK && l < t->nlanes; l++) {
+            const fence *f = n->lanes[l].head;
+            if (f && now - f->recorded > timeout) {
+                snprintf(detail, len, "lane %d: device work fenced %.1f s ago has not completed (timeout %.1f s)", l,
+                         now - f->recorded, timeout);
+                cause = MP_ERR_TIMEOUT;
+            }
+        }
+    }
+    pthread_mutex_unlock(&n->lock);
+    return cause;
 }
 
 static void nccl_abort(mp_transport *t, mp_result cause, int rank)
@@ -452,12 +516,16 @@ static void nccl_describe_peer(mp_transport *t, const mp_op *op, char *buf, size
 static void nccl_destroy(mp_transport *t)
 {
     nccl_t *n = (nccl_t *)t;
-    /* Pending work is given until the timeout to finish; then the communicators are aborted,
-     * never destroyed, since ncclCommDestroy can wait on the peers. */
+    /* Work already on the streams is let finish, since healthy peers may be about to complete it;
+     * a peer's failure (an asynchronous error) ends the drain at once, a silent peer the timeout.
+     * Then the communicators are aborted, never destroyed, since ncclCommDestroy can wait on the
+     * peers. */
     double deadline = mp_now() + n->timeout;
     for (;;) {
         pthread_mutex_lock(&n->lock);
-        progress_locked(n);
+        if (n->cause == MP_OK)
+            progress_locked(n);
+        check_async_locked(n); /* a peer that died ends the drain at once */
         int pending = 0;
         for (int l = 0; l < t->nlanes; l++)
             pending |= n->lanes[l].head != NULL || n->lanes[l].open_head != NULL;
@@ -489,6 +557,7 @@ static void nccl_destroy(mp_transport *t)
     if (n->ctx_retained)
         n->cu->DevicePrimaryCtxRelease(n->device);
     pthread_mutex_destroy(&n->lock);
+    pthread_mutex_destroy(&n->issue);
     free(n);
 }
 
@@ -504,6 +573,7 @@ static const mp_transport_ops nccl_ops = {
     .end = nccl_end,
     .progress = nccl_progress,
     .stream_wait = nccl_stream_wait,
+    .watch = nccl_watch,
 };
 
 /* ---- creation ------------------------------------------------------------------------------- */
@@ -527,11 +597,11 @@ static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
             }
             r = n->nccl->GroupEnd();
             if (r == MP_NCCL_IN_PROGRESS)
-                r = settle(n, lane->comm, deadline);
+                r = settle(n, lane->comm, deadline, 0);
         }
         if (r != MP_NCCL_SUCCESS) {
             snprintf(err, errlen, "warming up lane %d failed: %s", l, nccl_error(n, lane->comm, r));
-            return r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : MP_ERR_SYSTEM;
+            return cause_of(r);
         }
         mp_CUresult c = n->cu->EventRecord(n->ready, lane->stream);
         /* Polled until it fires: a first NOT_READY is the usual answer right after recording. */
@@ -600,13 +670,13 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
         }
     }
     for (int l = 0; l < cfg->nlanes; l++) {
-        mp_ncclResult_t r = settle(n, n->lanes[l].comm, deadline);
+        mp_ncclResult_t r = settle(n, n->lanes[l].comm, deadline, 0);
         if (r != MP_NCCL_SUCCESS) {
             snprintf(err, errlen, r == MP_NCCL_TIMEOUT ? "lane %d: not every rank joined the NCCL communicator in "
                                                          "time (%s)"
                                                        : "lane %d: NCCL initialisation failed: %s",
                      l, nccl_error(n, n->lanes[l].comm, r));
-            return r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : MP_ERR_SYSTEM;
+            return cause_of(r);
         }
     }
     return MP_OK;
@@ -628,6 +698,7 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     n->cu = cuda;
     n->device = cfg->device;
     n->timeout = cfg->timeout;
+    pthread_mutex_init(&n->issue, NULL);
     pthread_mutex_init(&n->lock, NULL);
     double deadline = mp_now() + cfg->timeout;
     mp_result res = open_device(n, cfg, err, errlen);

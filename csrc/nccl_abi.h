@@ -22,7 +22,9 @@ typedef enum {
     MP_NCCL_INVALID_USAGE = 5,
     MP_NCCL_REMOTE_ERROR = 6,
     MP_NCCL_IN_PROGRESS = 7,
+    /* Not NCCL's: the package's own outcomes of waiting on an in-progress communicator. */
     MP_NCCL_TIMEOUT = 8,
+    MP_NCCL_ABORTED = 9,
 } mp_ncclResult_t;
 
 typedef enum {

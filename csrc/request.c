@@ -44,7 +44,7 @@ static void request_dealloc(RequestObject *self)
     Py_DECREF(tp);
 }
 
-static PyObject *failure_type(mp_state *st, mp_result r)
+PyObject *mp_failure_type(mp_state *st, mp_result r)
 {
     switch (r) {
     case MP_ERR_MISMATCH: return st->MismatchError;
@@ -77,7 +77,8 @@ void mp_raise_op_failure(CommObject *comm, const mp_op *op)
     }
     if (op->result == MP_ERR_TIMEOUT || op->result == MP_ERR_PEER_DEAD || op->result == MP_ERR_ABORTED ||
         op->result == MP_ERR_DEADLOCK) {
-        PyObject *report = mp_comm_pending_report(comm);
+        /* After a watchdog abort, its report: the ops as they stood, before the abort failed them. */
+        PyObject *report = comm->abort_report ? Py_NewRef(comm->abort_report) : mp_comm_pending_report(comm);
         if (report) {
             PyObject *joined = PyUnicode_FromFormat("%U\n%U", msg, report);
             Py_DECREF(report);
@@ -86,7 +87,7 @@ void mp_raise_op_failure(CommObject *comm, const mp_op *op)
         if (!msg)
             return;
     }
-    PyErr_SetObject(failure_type(comm->state, op->result), msg);
+    PyErr_SetObject(mp_failure_type(comm->state, op->result), msg);
     Py_DECREF(msg);
     mp_comm_error_hook(comm);
 }

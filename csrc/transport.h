@@ -40,6 +40,11 @@ typedef struct {
     mp_result (*stream_wait)(mp_transport *t, mp_op *op, void *stream);
     /* A longer account of why `op` failed (a deadlock report), or "" when there is none. */
     void (*failure_report)(mp_transport *t, const mp_op *op, char *buf, size_t len);
+    /* For a watchdog (device transports, whose ops no host wait may ever time): finishes what has
+     * completed, and says why the communicator must be aborted: MP_ERR_TIMEOUT when device work
+     * has been pending longer than `timeout` seconds, an asynchronous error's cause, or MP_OK.
+     * Aborts nothing itself, so the caller can report the ops first; never waits on the peers. */
+    mp_result (*watch)(mp_transport *t, double timeout, char *detail, size_t len);
 } mp_transport_ops;
 
 struct mp_transport {

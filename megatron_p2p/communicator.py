@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, flight_recorder, nccl
+from . import _C, flight_recorder, nccl, watchdog
 
 BACKENDS = ("shm", "nccl", "auto")
 _STORE_PREFIX = "megatron_p2p"
@@ -130,7 +130,7 @@ def init_communicator(
                 "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
                 high_priority=high_priority, on_abort=relay.publish, **common,
             )
-        relay.watch(comm)
+        watchdog.watch(comm, relay.publish, relay.relayed)
     _live.add(comm)
     flight_recorder.install(comm)
     return comm

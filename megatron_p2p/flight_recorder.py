@@ -1,6 +1,6 @@
 """Trace dumps: with MEGATRON_P2P_TRACE_DIR set, every communicator's flight recorder
-(`comm.recent_ops()`) is written there as JSON when a P2PError is raised, at interpreter exit,
-and on SIGUSR1, on every backend. `python -m megatron_p2p.trace DIR` merges a job's dumps.
+(`comm.recent_ops()`) is written there as JSON when a P2PError is raised, when the NCCL
+watchdog aborts the communicator, at interpreter exit, and on SIGUSR1, on every backend. `python -m megatron_p2p.trace DIR` merges a job's dumps.
 
 One file per rank and communicator, `<dir>/rank<global rank>.<comm.id>.json`, replaced
 atomically by each later dump; the format is documented in docs/trace-format.md."""
@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 ENV = "MEGATRON_P2P_TRACE_DIR"
 FORMAT = "megatron_p2p.trace/1"
-REASONS = ("error", "exit", "signal")
+REASONS = ("error", "exit", "signal", "watchdog")
 
 _log = logging.getLogger(__name__)
 # Kept alive until exit, so that a communicator closed and dropped early still gets its exit dump.

@@ -5,9 +5,7 @@ import functools
 import importlib.util
 import json
 import os
-import threading
 import warnings
-import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -115,9 +113,8 @@ def stream_handle(device: int) -> Callable[[], int]:
 
 class AbortRelay:
     """Carries an abort between the ranks of an NCCL communicator through the store, which
-    NCCL itself never does: a rank that times out writes the key; every rank polls it."""
-
-    POLL_SECONDS = 0.2
+    NCCL itself never does: a rank that gives up writes the key; the watchdog of every rank
+    polls it."""
 
     def __init__(self, store, key: str, rank: int):
         self._store = store
@@ -127,22 +124,8 @@ class AbortRelay:
     def publish(self, message: Optional[str]) -> None:
         self._store.set(self._key, json.dumps({"rank": self._rank, "message": message or "aborted"}).encode())
 
-    def watch(self, comm: "_C.Communicator") -> None:
-        ref = weakref.ref(comm)
-        thread = threading.Thread(target=self._poll, args=(ref,), name="megatron_p2p-abort-relay", daemon=True)
-        thread.start()
-
-    def _poll(self, ref: "weakref.ref[_C.Communicator]") -> None:
-        while True:
-            comm = ref()
-            if comm is None or comm.closed:
-                return
-            try:
-                raised = self._store.check([self._key])
-            except Exception:  # the store is gone: the job is ending
-                return
-            if raised:
-                comm.abort(rank=json.loads(self._store.get(self._key))["rank"])
-                return
-            del comm
-            threading.Event().wait(self.POLL_SECONDS)
+    def relayed(self) -> Optional[int]:
+        """The global rank that published an abort, or None while none has."""
+        if not self._store.check([self._key]):
+            return None
+        return int(json.loads(self._store.get(self._key))["rank"])

@@ -21,6 +21,8 @@ FAKES = ROOT / "build" / "fakes"
 FAKE_ENV = {
     "MEGATRON_P2P_NCCL_LIBRARY": str(FAKES / "libnccl.so.2"),
     "MEGATRON_P2P_CUDA_LIBRARY": str(FAKES / "libcuda.so.1"),
+    # Failures are asserted as exceptions; tests/test_watchdog.py covers ending the process.
+    "MEGATRON_P2P_ASYNC_ERROR_HANDLING": "raise",
 }
 
 
@@ -205,14 +207,14 @@ def test_a_rank_that_times_out_aborts_its_peer_through_the_relay_naming_itself(s
 REMOTE_ERROR_AFTER_WARM_UP = {"MPFAKE_NCCL_ASYNC_ERROR_AFTER": "2"}  # then ncclRemoteError, and kernels stall
 
 
-def test_an_asynchronous_remote_error_fails_the_wait_at_once_as_a_peer_failure():
+def test_an_asynchronous_remote_error_fails_the_communicator_at_once_as_a_peer_failure():
+    """Whether the watchdog sees it first (and the exchange raises) or the host wait does."""
     v = run_one("nccl_model_faults.py", {"case": "silent", "wait": 10.0},
                 env={**REMOTE_ERROR_AFTER_WARM_UP, "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "0"})
     assert v["wait"]["type"] == "PeerFailureError" and v["wait"]["elapsed"] < 2.0, v["wait"]
     assert "injected asynchronous error" in v["wait"]["msg"], v["wait"]["msg"]
 
 
-@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9: ncclRemoteError while ncclGroupEnd settles is a plain P2PError (new finding of the model)")
 def test_a_remote_error_seen_while_a_group_end_settles_is_a_peer_failure_too():
     """The same ncclRemoteError, met by ncclGroupEnd's ncclInProgress wait instead of a host wait."""
     v = run_one("nccl_model_faults.py", {"case": "silent", "wait": 10.0},
@@ -251,7 +253,6 @@ def test_group_end_that_answers_in_progress_completes_every_exchange(tmp_path):
 SILENT_SELF = {"MPFAKE_NCCL_SILENT_RANK": "0", "MPFAKE_NCCL_SILENT_AFTER": "2"}  # after each lane's warm-up
 
 
-@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9 / review finding 1: nothing watches the lane streams until the watchdog exists")
 def test_an_op_waited_on_the_stream_only_is_still_timed():
     """Finding 1: Request.wait() on CUDA only orders the current stream. An op whose peer never
     posts must still fail the communicator once its timeout has passed, or the job hangs in the
@@ -282,7 +283,6 @@ STUCK_GROUP_END = {  # every group after each lane's warm-up answers ncclInProgr
 }
 
 
-@pytest.mark.xfail(strict=True, reason="confirmed defect, open under issue 9 / review finding 2: nccl_post holds the lock while ncclGroupEnd settles")
 def test_abort_reaches_a_group_stuck_in_progress_at_once():
     """Finding 2: an abort (from the relay or a watchdog thread) while ncclGroupEnd is still in
     progress must not wait for the launch to settle."""

@@ -1,7 +1,7 @@
 """Failure cases of the NCCL backend over the fake libraries (params["case"]):
   mismatch  rank 0 sends 1000 int32 to rank 1, which receives 999 (or 1000 when "agree")
-  silent    one exchange, then synchronize(timeout) while the fake keeps a rank from posting
-            ("wait" is one timeout for all ranks, or a list with one per rank)
+  silent    one exchange and synchronize(timeout), while the fake keeps a rank from posting
+            ("wait" is one timeout for all ranks, or a list with one per rank); then one more exchange
   close     an exchange left pending (the peer never posts), then close(): how long it takes
 Each rank reports what its calls raised (harness.caught) and how long they took."""
 import time
@@ -29,9 +29,9 @@ def body(params):
     elif case == "silent":
         t = torch.ones(64, dtype=torch.float32)
         got = torch.zeros(64, dtype=torch.float32)
-        reqs = comm.exchange(send_next=on(t), recv_prev=on(got))
         wait = params["wait"][comm.rank] if isinstance(params["wait"], list) else params["wait"]
-        out["wait"] = harness.caught(lambda: [r.synchronize(timeout=wait) for r in reqs.values()])
+        out["wait"] = harness.caught(lambda: [r.synchronize(timeout=wait) for r in
+                                              comm.exchange(send_next=on(t), recv_prev=on(got)).values()])
         out["next_call"] = harness.caught(lambda: comm.exchange(send_next=on(t), recv_prev=on(got)))
     elif case == "close":
         t = torch.ones(64, dtype=torch.float32)

@@ -1,0 +1,126 @@
+"""The watchdog: one thread per process that keeps every NCCL communicator from hanging silently.
+
+On a GPU, Request.wait() only makes the current stream wait, so nothing in the host ever times
+an op whose peer never posts: the stream stalls and the job hangs in the next host sync,
+outside this package. Every POLL_SECONDS the watchdog asks each NCCL communicator
+(`comm.watchdog_check()`) whether device work has been pending past its timeout or NCCL has
+reported an asynchronous error. When one has, in this order:
+
+1. the communicator's lane communicators are aborted (done by watchdog_check), which unblocks
+   the stalled streams;
+2. the flight recorder is dumped, when MEGATRON_P2P_TRACE_DIR is set;
+3. the abort is published to the peers through the store;
+4. the report (the pending ops, naming ranks and ops) is logged at error level;
+5. with MEGATRON_P2P_ASYNC_ERROR_HANDLING=end, the process ends with status EXIT_STATUS, as
+   torch's TORCH_NCCL_ASYNC_ERROR_HANDLING does, so that torchrun tears the job down: a stalled
+   CUDA stream may never recover. "raise" keeps the process; the communicator's next call
+   raises P2PTimeoutError or PeerFailureError with the report. The default is "end" under
+   torchrun and "raise" otherwise.
+
+The same thread carries aborts from the peers (AbortRelay.poll) to their communicators.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import Callable, Optional
+
+from . import _C, flight_recorder
+
+ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
+HANDLINGS = ("end", "raise")
+POLL_SECONDS = 0.1
+EXIT_STATUS = os.EX_SOFTWARE  # 70: what torchrun reports for the rank that ended the job
+
+_log = logging.getLogger(__name__)
+
+
+def handling() -> str:
+    """What a watchdog finding does to the process: MEGATRON_P2P_ASYNC_ERROR_HANDLING, or its
+    default ("end" under torchrun, "raise" otherwise). ValueError names a wrong value."""
+    value = os.environ.get(ENV_HANDLING, "")
+    if not value:
+        return "end" if os.environ.get("TORCHELASTIC_RUN_ID") else "raise"
+    if value not in HANDLINGS:
+        raise ValueError(f"{ENV_HANDLING}={value!r}: expected one of {', '.join(HANDLINGS)}")
+    return value
+
+
+class _Watched:
+    def __init__(self, comm: "_C.Communicator", publish: Callable[[str], None], relayed: Callable[[], Optional[int]]):
+        self.comm = weakref.ref(comm)
+        self.publish = publish
+        self.relayed = relayed
+
+
+class Watchdog:
+    """The process's watchdog thread and the communicators it watches (see the module's text)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: list[_Watched] = []
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self, comm: "_C.Communicator", publish: Callable[[str], None],
+              relayed: Callable[[], Optional[int]]) -> None:
+        """Watches `comm` until it is closed or dropped. `publish(report)` tells the peers about an
+        abort; `relayed()` returns the global rank that aborted when a peer has published one."""
+        handling()  # a wrong setting fails at creation, not when the watchdog fires
+        with self._lock:
+            self._watched.append(_Watched(comm, publish, relayed))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="megatron_p2p-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        stop = threading.Event()
+        while True:
+            with self._lock:
+                self._watched = [w for w in self._watched if (c := w.comm()) is not None and not c.closed]
+                watched = list(self._watched)
+                if not watched:
+                    self._thread = None
+                    return
+            for w in watched:
+                self._check(w)
+            del watched
+            stop.wait(POLL_SECONDS)
+
+    def _check(self, w: _Watched) -> None:
+        comm = w.comm()
+        if comm is None or comm.closed:
+            return
+        try:
+            rank = w.relayed()
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+            rank = None
+        if rank is not None:
+            comm.abort(rank=rank)
+            return
+        found = comm.watchdog_check()
+        if found is None:
+            return
+        report = str(found)
+        flight_recorder.dump(comm, "watchdog", error=f"{type(found).__name__}: {report}")
+        try:
+            w.publish(report)
+        except Exception as exc:  # noqa: BLE001 - telling the peers is best effort
+            _log.warning("megatron_p2p watchdog: could not publish the abort to the peers: %s", exc)
+        _log.error("megatron_p2p watchdog: %s", report)
+        if handling() == "end":
+            _log.error("megatron_p2p watchdog: ending the process (%s=end)", ENV_HANDLING)
+            for h in logging.getLogger().handlers + _log.handlers:
+                h.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_STATUS)
+
+
+_watchdog = Watchdog()
+
+
+def watch(comm: "_C.Communicator", publish: Callable[[str], None], relayed: Callable[[], Optional[int]]) -> None:
+    """Puts `comm` under the process's watchdog (see Watchdog.watch)."""
+    _watchdog.watch(comm, publish, relayed)
