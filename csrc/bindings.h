@@ -20,7 +20,7 @@ typedef struct {
     PyObject *BackendUnavailableError;
     PyObject *tensor_type;   /* torch.Tensor */
     PyObject *dtype_codes;   /* {torch.dtype: mp_dtype code} */
-    PyObject *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_untyped_storage, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
+    PyObject *str_shape, *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_untyped_storage, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;
 } mp_state;
@@ -40,6 +40,7 @@ typedef struct {
     PyObject *inflight;      /* list of Requests the transport may still touch */
     PyObject *backend;       /* str */
     int device;              /* CUDA ordinal of the tensors it carries; -1: CPU memory */
+    int check;               /* debug matching: ops carry their tensor's shape */
     PyObject *stream_fn;     /* device transports: () -> the caller's current stream, as an int */
     PyObject *on_abort;      /* called with a message when this rank aborts the communicator */
     PyObject *on_error;      /* called with each P2PError about to be raised (the flight recorder dumps) */

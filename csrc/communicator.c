@@ -104,6 +104,8 @@ static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_prior
         .ids = (const mp_ncclUniqueId *)ids,
         .timeout = self->timeout,
         .high_priority = high_priority,
+        .check = self->check,
+        .global_rank = self->global_ranks[self->group_rank],
     };
     mp_result r;
     Py_BEGIN_ALLOW_THREADS
@@ -142,15 +144,15 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"backend", "unique_id", "group_rank", "ranks", "lanes", "eager_threshold", "timeout",
-                             "single_copy", "device", "stream", "high_priority", "on_abort", NULL};
+                             "single_copy", "device", "stream", "high_priority", "on_abort", "check", NULL};
     const char *backend;
-    int group_rank, lanes = 2, single_copy = 1, device = -1, high_priority = 0;
+    int group_rank, lanes = 2, single_copy = 1, device = -1, high_priority = 0, check = 0;
     PyObject *unique_id, *ranks, *stream_fn = Py_None, *on_abort = Py_None;
     unsigned long long eager = 0;
     double timeout = 300.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpO:Communicator", kwlist, &backend, &unique_id,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpOp:Communicator", kwlist, &backend, &unique_id,
                                      &group_rank, &ranks, &lanes, &eager, &timeout, &single_copy, &device,
-                                     &stream_fn, &high_priority, &on_abort))
+                                     &stream_fn, &high_priority, &on_abort, &check))
         return NULL;
     mp_state *st = mp_state_from_type(type);
     int is_nccl = strcmp(backend, "nccl") == 0;
@@ -173,6 +175,9 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                                       : "backend 'shm' carries CPU tensors only (device=-1)");
     if (on_abort != Py_None && !PyCallable_Check(on_abort))
         return PyErr_Format(PyExc_TypeError, "on_abort must be callable or None");
+    if (check && !is_nccl)
+        return PyErr_Format(PyExc_ValueError, "check (debug matching) is for backend 'nccl'; shm always compares "
+                            "bytes and dtype");
 
     CommObject *self = (CommObject *)type->tp_alloc(type, 0);
     if (!self)
@@ -183,6 +188,7 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->eager_threshold = eager;
     self->group_rank = group_rank;
     self->device = device;
+    self->check = check;
     self->stream_fn = is_nccl ? Py_NewRef(stream_fn) : NULL;
     self->on_abort = on_abort != Py_None ? Py_NewRef(on_abort) : NULL;
     if (parse_ranks(self, ranks) < 0)
@@ -442,7 +448,13 @@ static int begin_posting(CommObject *self)
     void *stream;
     if (mp_comm_stream(self, &stream) < 0)
         return -1;
-    if (t->ops->begin(t, stream) != MP_OK) {
+    mp_result r = t->ops->begin(t, stream);
+    if (r == MP_ERR_CAPTURE) {
+        PyErr_SetString(self->state->P2PError, "debug matching (MEGATRON_P2P_CHECK=1) waits on the host before "
+                        "every step, which CUDA graph capture forbids: unset it to capture this call");
+        return -1;
+    }
+    if (r != MP_OK) {
         if (check_usable(self) == 0)
             PyErr_SetString(self->state->P2PError, "could not order the ops after the current stream");
         return -1;
@@ -479,9 +491,9 @@ void mp_comm_trace_waited(CommObject *self, const mp_op *op)
         e->waited = 1;
 }
 
-void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
+/* Tells the other ranks (on_abort) that this rank aborted, and why. */
+static void publish_abort(CommObject *self, PyObject *message)
 {
-    self->transport->ops->abort(self->transport, MP_ERR_TIMEOUT, self->group_rank);
     if (!self->on_abort)
         return;
     PyObject *type, *value, *tb; /* the caller may be raising already */
@@ -491,6 +503,26 @@ void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
         PyErr_WriteUnraisable(self->on_abort); /* telling the peers is best effort */
     Py_XDECREF(r);
     PyErr_Restore(type, value, tb);
+}
+
+void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
+{
+    self->transport->ops->abort(self->transport, MP_ERR_TIMEOUT, self->group_rank);
+    publish_abort(self, message);
+}
+
+/* Debug matching compares shapes: the tensor's, read here (torch.Size is a tuple). */
+static int read_shape(CommObject *self, PyObject *tensor, mp_op *op)
+{
+    PyObject *shape = PyObject_GetAttr(tensor, self->state->str_shape);
+    if (!shape)
+        return -1;
+    Py_ssize_t ndim = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
+    op->ndim = ndim >= 0 && ndim <= MP_MAX_DIMS ? (int)ndim : -1; /* beyond that, bytes and dtype decide */
+    for (int d = 0; d < op->ndim; d++)
+        op->shape[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+    Py_DECREF(shape);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 /* Numbers the ops, posts them as one step on `lane` for API call `call_name`, and returns the
@@ -514,6 +546,11 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
         }
         PyList_SET_ITEM(reqs, i, (PyObject *)req);
         step->ops[i] = &req->op;
+        if (self->check && read_shape(self, ops[i].tensor, &req->op) < 0) {
+            free(step);
+            Py_DECREF(reqs);
+            return NULL;
+        }
     }
     size_t call_len = call_name ? strnlen(call_name, MP_CALL_NAME_LEN - 1) : 0;
     for (int i = 0; i < nops; i++) {
@@ -559,6 +596,17 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
             Py_DECREF(reqs);
             return NULL;
         }
+    /* Posting itself may have aborted (a launch that failed, a debug-matching disagreement): the
+     * peers must hear of it, or their ops wait for ours until their timeout. */
+    const mp_op *first = nops ? &((RequestObject *)PyList_GET_ITEM(reqs, 0))->op : NULL;
+    int cause_rank;
+    if (first && mp_op_done(first) && first->result != MP_OK && t->ops->abort_cause(t, &cause_rank) != MP_OK &&
+        cause_rank == self->group_rank) {
+        PyObject *why = PyUnicode_FromString(first->detail);
+        PyErr_Clear();
+        publish_abort(self, why);
+        Py_XDECREF(why);
+    }
     return reqs;
 }
 

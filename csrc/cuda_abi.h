@@ -17,6 +17,8 @@ typedef unsigned long long mp_CUdeviceptr;
 #define MP_CUDA_ERROR_NOT_READY 600
 #define MP_CU_EVENT_DISABLE_TIMING 0x2u
 #define MP_CU_STREAM_NON_BLOCKING 0x1u
+#define MP_CU_STREAM_CAPTURE_STATUS_ACTIVE 1
+#define MP_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
 
 typedef mp_CUresult (*mp_cuInit_fn)(unsigned int flags);
 typedef mp_CUresult (*mp_cuDeviceGet_fn)(mp_CUdevice *dev, int ordinal);
@@ -35,6 +37,12 @@ typedef mp_CUresult (*mp_cuEventRecord_fn)(mp_CUevent event, mp_CUstream stream)
 typedef mp_CUresult (*mp_cuEventQuery_fn)(mp_CUevent event);
 typedef mp_CUresult (*mp_cuMemAlloc_fn)(mp_CUdeviceptr *ptr, size_t bytes);
 typedef mp_CUresult (*mp_cuMemFree_fn)(mp_CUdeviceptr ptr);
+typedef mp_CUresult (*mp_cuMemAllocHost_fn)(void **ptr, size_t bytes);
+typedef mp_CUresult (*mp_cuMemFreeHost_fn)(void *ptr);
+typedef mp_CUresult (*mp_cuMemcpyHtoDAsync_fn)(mp_CUdeviceptr dst, const void *src, size_t bytes, mp_CUstream stream);
+typedef mp_CUresult (*mp_cuMemcpyDtoHAsync_fn)(void *dst, mp_CUdeviceptr src, size_t bytes, mp_CUstream stream);
+typedef mp_CUresult (*mp_cuStreamIsCapturing_fn)(mp_CUstream stream, int *status);
+typedef mp_CUresult (*mp_cuThreadExchangeStreamCaptureMode_fn)(int *mode);
 typedef mp_CUresult (*mp_cuGetErrorString_fn)(mp_CUresult error, const char **text);
 
 #endif

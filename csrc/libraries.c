@@ -165,6 +165,12 @@ static const symbol cuda_symbols[] = {
     CU_SYM(EventQuery, "cuEventQuery"),
     CU_SYM(MemAlloc, "cuMemAlloc_v2"),
     CU_SYM(MemFree, "cuMemFree_v2"),
+    CU_SYM(MemAllocHost, "cuMemAllocHost_v2"),
+    CU_SYM(MemFreeHost, "cuMemFreeHost"),
+    CU_SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"),
+    CU_SYM(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"),
+    CU_SYM(StreamIsCapturing, "cuStreamIsCapturing"),
+    CU_SYM(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
     CU_SYM(GetErrorString, "cuGetErrorString"),
 };
 

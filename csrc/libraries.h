@@ -50,6 +50,12 @@ typedef struct {
     mp_cuEventQuery_fn EventQuery;
     mp_cuMemAlloc_fn MemAlloc;
     mp_cuMemFree_fn MemFree;
+    mp_cuMemAllocHost_fn MemAllocHost;
+    mp_cuMemFreeHost_fn MemFreeHost;
+    mp_cuMemcpyHtoDAsync_fn MemcpyHtoDAsync;
+    mp_cuMemcpyDtoHAsync_fn MemcpyDtoHAsync;
+    mp_cuStreamIsCapturing_fn StreamIsCapturing;
+    mp_cuThreadExchangeStreamCaptureMode_fn ThreadExchangeStreamCaptureMode;
     mp_cuGetErrorString_fn GetErrorString;
 } mp_cuda_lib;
 

@@ -150,6 +150,7 @@ static int module_exec(PyObject *mod)
 #define INTERN(field, text) \
     if (!(st->field = PyUnicode_InternFromString(text))) \
         return -1;
+    INTERN(str_shape, "shape")
     INTERN(str_dtype, "dtype")
     INTERN(str_is_cpu, "is_cpu")
     INTERN(str_is_cuda, "is_cuda")
@@ -205,6 +206,7 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->BackendUnavailableError);
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->dtype_codes);
+    Py_CLEAR(st->str_shape);
     Py_CLEAR(st->str_dtype);
     Py_CLEAR(st->str_is_cpu);
     Py_CLEAR(st->str_is_cuda);

@@ -10,6 +10,7 @@
 
 #include "clock.h"
 #include "dtype.h"
+#include "match_check.h"
 #include "nccl.h"
 
 /* ---- issuing: one step, one NCCL group ---------------------------------------------------- */
@@ -87,6 +88,10 @@ typedef struct {
     double timeout;
     lane_t lanes[2];
     fence *spare;            /* recycled fences, each with its event */
+    /* Fences recorded during a CUDA graph capture: their events belong to the graph, which
+     * re-records them at every replay, so they are never recycled nor queried. */
+    fence *graph_fences;
+    int capturing;           /* the last call's stream was capturing: no host queries */
     /* `issue` orders the posting calls of threads sharing the communicator; `lock` guards the
      * state and every call on a lane communicator, and is dropped while a launch settles, so
      * that an abort from the relay or the watchdog reaches a group stuck in ncclInProgress. */
@@ -94,7 +99,15 @@ typedef struct {
     pthread_mutex_t lock;
     mp_result cause;
     int cause_rank;
-    char cause_detail[256];
+    char cause_detail[MP_DETAIL_LEN];
+    /* Debug matching: descriptors out (the first `check_slots`) and in (the next), in pinned
+     * host memory and on the device, and the event a step's descriptors are waited on with. */
+    int check;
+    int global_rank;
+    mp_check_desc *check_host;
+    mp_CUdeviceptr check_dev;
+    int check_slots;
+    mp_CUevent check_done;
 } nccl_t;
 
 static const char *cu_error(nccl_t *n, mp_CUresult r)
@@ -127,6 +140,27 @@ static void leave(nccl_t *n, mp_CUcontext saved)
 {
     if (n->ctx && saved != n->ctx)
         n->cu->CtxSetCurrent(saved);
+}
+
+/* Whether `stream` is capturing a CUDA graph, when nothing may query or wait on the host. */
+static int is_capturing(nccl_t *n, mp_CUstream stream)
+{
+    int status = 0;
+    return n->cu->StreamIsCapturing(stream, &status) == MP_CUDA_SUCCESS && status == MP_CU_STREAM_CAPTURE_STATUS_ACTIVE;
+}
+
+/* A fence with a fresh event, owned by the graph being captured until the transport is destroyed. */
+static fence *graph_fence(nccl_t *n, mp_CUresult *r)
+{
+    fence *f = calloc(1, sizeof *f);
+    *r = f ? n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING) : MP_CUDA_ERROR_OUT_OF_MEMORY;
+    if (*r != MP_CUDA_SUCCESS) {
+        free(f);
+        return NULL;
+    }
+    f->next = n->graph_fences;
+    n->graph_fences = f;
+    return f;
 }
 
 static void finish_op(mp_op *op, mp_result r, const char *detail)
@@ -281,6 +315,31 @@ static void check_async_locked(nccl_t *n)
         abort_locked(n, cause, n->base.rank, detail);
 }
 
+/* Polls `event` until it fires, releasing the lock between polls: MP_OK, MP_ERR_TIMEOUT past
+ * `deadline`, or the cause of an abort or asynchronous error meanwhile. Lock held. */
+static mp_result await_event_locked(nccl_t *n, mp_CUevent event, double deadline, char *detail, size_t len)
+{
+    for (unsigned polls = 0;; polls++) {
+        mp_CUresult c = n->cu->EventQuery(event);
+        if (c == MP_CUDA_SUCCESS)
+            return MP_OK;
+        if (c != MP_CUDA_ERROR_NOT_READY) {
+            snprintf(detail, len, "CUDA reported an error on a lane's stream: %s", cu_error(n, c));
+            return MP_ERR_SYSTEM;
+        }
+        mp_result failed = async_error_locked(n, detail, len);
+        if (failed != MP_OK)
+            return failed;
+        if (mp_now() > deadline)
+            return MP_ERR_TIMEOUT;
+        pthread_mutex_unlock(&n->lock);
+        pause_polling(polls);
+        pthread_mutex_lock(&n->lock);
+        if (n->cause != MP_OK)
+            return n->cause;
+    }
+}
+
 /* ---- the real NCCL calls ------------------------------------------------------------------ */
 
 static mp_ncclResult_t real_group_start(void *ctx) { return ((nccl_t *)ctx)->nccl->GroupStart(); }
@@ -309,6 +368,95 @@ static mp_ncclResult_t real_recv(void *ctx, const mp_op *op, size_t count, mp_nc
 
 static const mp_nccl_calls real_calls = {real_group_start, real_group_end, real_send, real_recv};
 
+/* ---- debug matching: a step's descriptors, exchanged and compared before its data ---------- */
+
+static mp_CUresult reserve_check(nccl_t *n, int nops)
+{
+    if (nops <= n->check_slots)
+        return MP_CUDA_SUCCESS;
+    int slots = nops > 16 ? nops : 16;
+    if (n->check_host)
+        n->cu->MemFreeHost(n->check_host);
+    if (n->check_dev)
+        n->cu->MemFree(n->check_dev);
+    n->check_host = NULL;
+    n->check_dev = 0;
+    n->check_slots = 0;
+    void *host = NULL;
+    size_t bytes = 2 * (size_t)slots * sizeof(mp_check_desc);
+    mp_CUresult c = n->cu->MemAllocHost(&host, bytes);
+    if (c == MP_CUDA_SUCCESS && (c = n->cu->MemAlloc(&n->check_dev, bytes)) != MP_CUDA_SUCCESS)
+        n->cu->MemFreeHost(host);
+    if (c == MP_CUDA_SUCCESS) {
+        n->check_host = host;
+        n->check_slots = slots;
+    }
+    return c;
+}
+
+/* Every send of the step sends its descriptor and every receive takes one, as one group on the
+ * step's lane; the host waits for them and compares. Only then may the data's group be issued:
+ * NCCL has no way to stop data already launched. Lock and issue lock held. */
+static mp_result check_step(nccl_t *n, const mp_step *step, char *detail, size_t len)
+{
+    lane_t *lane = &n->lanes[step->lane];
+    const size_t size = sizeof(mp_check_desc);
+    mp_CUresult c = reserve_check(n, step->nops);
+    if (c != MP_CUDA_SUCCESS) {
+        snprintf(detail, len, "debug matching could not allocate its descriptors: %s", cu_error(n, c));
+        return MP_ERR_SYSTEM;
+    }
+    mp_check_desc *out = n->check_host, *in = n->check_host + n->check_slots;
+    mp_CUdeviceptr dev_out = n->check_dev, dev_in = n->check_dev + (mp_CUdeviceptr)n->check_slots * size;
+    for (int i = 0; i < step->nops; i++)
+        if (step->ops[i]->kind == MP_SEND)
+            mp_check_describe(step->ops[i], &out[i]);
+    c = n->cu->MemcpyHtoDAsync(dev_out, out, (size_t)step->nops * size, lane->stream);
+    if (c != MP_CUDA_SUCCESS) {
+        snprintf(detail, len, "debug matching could not copy its descriptors: %s", cu_error(n, c));
+        return MP_ERR_SYSTEM;
+    }
+    mp_ncclResult_t r = n->nccl->GroupStart();
+    for (int i = 0; r == MP_NCCL_SUCCESS && i < step->nops; i++) {
+        const mp_op *op = step->ops[i];
+        mp_CUdeviceptr at = (op->kind == MP_SEND ? dev_out : dev_in) + (mp_CUdeviceptr)i * size;
+        r = op->kind == MP_SEND ? n->nccl->Send((void *)(uintptr_t)at, size, MP_NCCL_UINT8, op->peer, lane->comm,
+                                                lane->stream)
+                                : n->nccl->Recv((void *)(uintptr_t)at, size, MP_NCCL_UINT8, op->peer, lane->comm,
+                                                lane->stream);
+    }
+    mp_ncclResult_t end = real_group_end(n, step->lane);
+    if (end == MP_NCCL_ABORTED)
+        return n->cause;
+    if (r == MP_NCCL_SUCCESS)
+        r = end;
+    if (r != MP_NCCL_SUCCESS) {
+        snprintf(detail, len, "debug matching: NCCL failed to issue the descriptors on lane %d: %s", step->lane,
+                 nccl_error(n, lane->comm, r));
+        return cause_of(r);
+    }
+    c = n->cu->MemcpyDtoHAsync(in, dev_in, (size_t)step->nops * size, lane->stream);
+    if (c == MP_CUDA_SUCCESS)
+        c = n->cu->EventRecord(n->check_done, lane->stream);
+    if (c != MP_CUDA_SUCCESS) {
+        snprintf(detail, len, "debug matching could not fetch its descriptors: %s", cu_error(n, c));
+        return MP_ERR_SYSTEM;
+    }
+    mp_result waited = await_event_locked(n, n->check_done, mp_now() + n->timeout, detail, len);
+    if (waited == MP_ERR_TIMEOUT)
+        snprintf(detail, len, "debug matching: rank %d waited %.1f s on lane %d for the descriptors of step #%llu: a "
+                 "peer has not posted the matching ops", n->global_rank, n->timeout, step->lane,
+                 (unsigned long long)step->ops[0]->step);
+    if (waited != MP_OK)
+        return waited;
+    for (int i = 0; i < step->nops; i++) {
+        const mp_op *op = step->ops[i];
+        if (op->kind == MP_RECV && mp_check_compare(&in[i], op->peer_global, op, n->global_rank, detail, len) < 0)
+            return MP_ERR_MISMATCH;
+    }
+    return MP_OK;
+}
+
 /* ---- vtable -------------------------------------------------------------------------------- */
 
 static mp_result nccl_begin(mp_transport *t, void *stream)
@@ -317,15 +465,23 @@ static mp_result nccl_begin(mp_transport *t, void *stream)
     pthread_mutex_lock(&n->issue);
     pthread_mutex_lock(&n->lock);
     mp_result res = n->cause != MP_OK ? n->cause : MP_OK;
+    mp_CUcontext saved = enter(n);
+    n->capturing = res == MP_OK && is_capturing(n, (mp_CUstream)stream);
+    if (n->capturing && n->check) /* debug matching waits on the host before every step */
+        res = MP_ERR_CAPTURE;
     if (res == MP_OK) {
-        mp_CUcontext saved = enter(n);
-        mp_CUresult r = n->cu->EventRecord(n->ready, (mp_CUstream)stream);
+        /* During capture the lanes join the capture through this event, which the graph keeps. */
+        mp_CUresult r = MP_CUDA_SUCCESS;
+        fence *g = n->capturing ? graph_fence(n, &r) : NULL;
+        mp_CUevent ready = g ? g->event : n->ready;
+        if (r == MP_CUDA_SUCCESS)
+            r = n->cu->EventRecord(ready, (mp_CUstream)stream);
         for (int l = 0; r == MP_CUDA_SUCCESS && l < t->nlanes; l++)
-            r = n->cu->StreamWaitEvent(n->lanes[l].stream, n->ready, 0);
-        leave(n, saved);
+            r = n->cu->StreamWaitEvent(n->lanes[l].stream, ready, 0);
         if (r != MP_CUDA_SUCCESS)
             res = fail_cuda(n, "ordering the lanes after the caller's stream failed", r);
     }
+    leave(n, saved);
     pthread_mutex_unlock(&n->lock);
     pthread_mutex_unlock(&n->issue);
     return res;
@@ -355,6 +511,17 @@ static mp_result nccl_post(mp_transport *t, mp_step *step)
         lane->open_head = step;
     lane->open_tail = step; /* owned from here on: an abort (even while the launch settles) frees it */
     mp_CUcontext saved = enter(n);
+    if (n->check && step->nops) {
+        char detail[MP_DETAIL_LEN];
+        mp_result checked = check_step(n, step, detail, sizeof detail);
+        if (checked != MP_OK) {
+            abort_locked(n, checked, t->rank, detail); /* nothing if an abort came first */
+            leave(n, saved);
+            pthread_mutex_unlock(&n->lock);
+            pthread_mutex_unlock(&n->issue);
+            return MP_OK;
+        }
+    }
     mp_ncclResult_t r = mp_nccl_issue(&real_calls, n, step, n->nccl->version);
     leave(n, saved);
     if (r != MP_NCCL_SUCCESS && r != MP_NCCL_ABORTED) {
@@ -380,6 +547,23 @@ static mp_result nccl_end(mp_transport *t)
             continue;
         fence *f = n->spare;
         mp_CUresult r = MP_CUDA_SUCCESS;
+        if (n->capturing) {
+            /* Captured work runs at each replay: its ops are stream-ordered only, and done here. */
+            if ((f = graph_fence(n, &r)))
+                r = n->cu->EventRecord(f->event, lane->stream);
+            if (r != MP_CUDA_SUCCESS) {
+                res = fail_cuda(n, "recording a lane's event during capture failed", r);
+                break;
+            }
+            for (mp_step *s = lane->open_head; s; s = s->next)
+                for (int i = 0; i < s->nops; i++) {
+                    s->ops[i]->fence = f;
+                    s->ops[i]->captured = 1;
+                }
+            finish_steps(lane->open_head, MP_OK, "");
+            lane->open_head = lane->open_tail = NULL;
+            continue;
+        }
         if (f) {
             n->spare = f->next;
         } else if ((f = calloc(1, sizeof *f))) {
@@ -422,7 +606,7 @@ static void nccl_progress(mp_transport *t)
 {
     nccl_t *n = (nccl_t *)t;
     pthread_mutex_lock(&n->lock);
-    if (n->cause == MP_OK)
+    if (n->cause == MP_OK && !n->capturing)
         progress_locked(n);
     pthread_mutex_unlock(&n->lock);
 }
@@ -432,6 +616,7 @@ static mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline)
     nccl_t *n = (nccl_t *)t;
     for (unsigned polls = 0;; polls++) {
         pthread_mutex_lock(&n->lock);
+        n->capturing = 0; /* a host wait: the caller is not capturing */
         if (n->cause == MP_OK) {
             progress_locked(n);
             if (!mp_op_done(op))
@@ -451,15 +636,17 @@ static mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
     nccl_t *n = (nccl_t *)t;
     mp_result res = MP_OK;
     pthread_mutex_lock(&n->lock);
-    if (n->cause == MP_OK)
+    mp_CUcontext saved = enter(n);
+    n->capturing = is_capturing(n, (mp_CUstream)stream);
+    if (n->cause == MP_OK && !n->capturing)
         progress_locked(n);
-    if (!mp_op_done(op) && op->fence) {
-        mp_CUcontext saved = enter(n);
+    /* A captured op is done for the host, but its replays still order the waiting stream. */
+    if ((op->captured || !mp_op_done(op)) && op->fence) {
         mp_CUresult r = n->cu->StreamWaitEvent((mp_CUstream)stream, ((fence *)op->fence)->event, 0);
-        leave(n, saved);
         if (r != MP_CUDA_SUCCESS)
             res = fail_cuda(n, "making the caller's stream wait failed", r);
     }
+    leave(n, saved);
     pthread_mutex_unlock(&n->lock);
     return res;
 }
@@ -468,6 +655,10 @@ static mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_
 {
     nccl_t *n = (nccl_t *)t;
     mp_result cause = MP_OK;
+    /* Thread-local capture mode: these queries, from a thread that captures nothing, must not
+     * invalidate a capture another thread runs in the global mode. */
+    int mode = MP_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    int exchanged = n->cu->ThreadExchangeStreamCaptureMode(&mode) == MP_CUDA_SUCCESS;
     pthread_mutex_lock(&n->lock);
     if (n->cause == MP_OK) {
         progress_locked(n);
@@ -483,6 +674,8 @@ static mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_
         }
     }
     pthread_mutex_unlock(&n->lock);
+    if (exchanged)
+        n->cu->ThreadExchangeStreamCaptureMode(&mode);
     return cause;
 }
 
@@ -523,6 +716,7 @@ static void nccl_destroy(mp_transport *t)
     double deadline = mp_now() + n->timeout;
     for (;;) {
         pthread_mutex_lock(&n->lock);
+        n->capturing = 0;
         if (n->cause == MP_OK)
             progress_locked(n);
         check_async_locked(n); /* a peer that died ends the drain at once */
@@ -542,14 +736,22 @@ static void nccl_destroy(mp_transport *t)
         for (int l = 0; l < t->nlanes; l++)
             if (n->lanes[l].stream)
                 n->cu->StreamDestroy(n->lanes[l].stream);
-        while (n->spare) {
-            fence *f = n->spare;
-            n->spare = f->next;
-            n->cu->EventDestroy(f->event);
-            free(f);
-        }
+        fence *lists[] = {n->spare, n->graph_fences};
+        for (size_t k = 0; k < sizeof lists / sizeof *lists; k++)
+            while (lists[k]) {
+                fence *f = lists[k];
+                lists[k] = f->next;
+                n->cu->EventDestroy(f->event);
+                free(f);
+            }
         if (n->ready)
             n->cu->EventDestroy(n->ready);
+        if (n->check_done)
+            n->cu->EventDestroy(n->check_done);
+        if (n->check_host)
+            n->cu->MemFreeHost(n->check_host);
+        if (n->check_dev)
+            n->cu->MemFree(n->check_dev);
         if (n->scratch)
             n->cu->MemFree(n->scratch);
         leave(n, saved);
@@ -643,6 +845,8 @@ static mp_result open_device(nccl_t *n, const mp_nccl_config *cfg, char *err, si
                                          cfg->high_priority ? greatest : least);
     if (r == MP_CUDA_SUCCESS)
         r = cu->EventCreate(&n->ready, MP_CU_EVENT_DISABLE_TIMING);
+    if (r == MP_CUDA_SUCCESS && cfg->check)
+        r = cu->EventCreate(&n->check_done, MP_CU_EVENT_DISABLE_TIMING);
     if (r == MP_CUDA_SUCCESS)
         r = cu->MemAlloc(&n->scratch, 16);
     leave(n, saved);
@@ -698,6 +902,8 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     n->cu = cuda;
     n->device = cfg->device;
     n->timeout = cfg->timeout;
+    n->check = cfg->check;
+    n->global_rank = cfg->global_rank;
     pthread_mutex_init(&n->issue, NULL);
     pthread_mutex_init(&n->lock, NULL);
     double deadline = mp_now() + cfg->timeout;

@@ -17,6 +17,8 @@ typedef struct {
     const mp_ncclUniqueId *ids;   /* one per lane, from rank 0 */
     double timeout;               /* for creation and warm-up */
     int high_priority;            /* lane streams at the device's greatest priority */
+    int check;                    /* debug matching: every step is preceded by descriptors */
+    int global_rank;              /* this rank's, for debug matching's reports */
 } mp_nccl_config;
 
 /* Collective over the group: creates and warms up every lane's communicator. */

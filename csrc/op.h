@@ -26,6 +26,7 @@ typedef enum { MP_OP_QUEUED = 0, MP_OP_ACTIVE = 1, MP_OP_DONE = 2 } mp_op_state;
 
 #define MP_DETAIL_LEN 320
 #define MP_CALL_NAME_LEN 40 /* the API call that posted an op, e.g. send_forward_recv_backward */
+#define MP_MAX_DIMS 8       /* shape dimensions debug matching compares */
 
 typedef struct mp_op {
     /* Fixed when posted. */
@@ -41,6 +42,8 @@ typedef struct mp_op {
     int dtype;
     uint64_t call;        /* k-th API call on the communicator */
     char call_name[MP_CALL_NAME_LEN];
+    int ndim;             /* the tensor's shape, for debug matching only; -1 when not read */
+    int64_t shape[MP_MAX_DIMS];
     uint64_t trace_id;    /* its entry in the flight recorder */
     /* Written by the transport; readable by anyone once state is DONE (acquire). */
     _Atomic uint32_t state;
@@ -54,6 +57,7 @@ typedef struct mp_op {
     int phase;
     int index;            /* position in its step's ops */
     void *fence;          /* device transports: what completes it */
+    int captured;         /* device transports: posted into a CUDA graph capture; stream-ordered only */
 } mp_op;
 
 /* A group of ops issued together on one lane. Owned by the transport once posted; an op's

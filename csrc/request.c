@@ -24,6 +24,7 @@ RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffe
     }
     req->storage = storage;
     memset(&req->op, 0, sizeof req->op);
+    req->op.ndim = -1;
     Py_INCREF(comm);
     req->comm = comm;
     Py_INCREF(tensor);
@@ -172,7 +173,7 @@ static int stream_wait(RequestObject *self)
     CommObject *comm = self->comm;
     mp_transport *t = comm->transport;
     mp_comm_trace_waited(comm, &self->op);
-    if (!mp_op_done(&self->op)) {
+    if (self->op.captured || !mp_op_done(&self->op)) {
         void *stream;
         if (mp_comm_stream(comm, &stream) < 0)
             return -1;
@@ -200,16 +201,30 @@ static PyObject *request_wait(RequestObject *self, PyObject *args, PyObject *kwa
     Py_RETURN_TRUE;
 }
 
+/* A captured op runs at each replay of its graph, never at a time the host could wait for. */
+static int refuse_captured(RequestObject *self, const char *what)
+{
+    if (!self->op.captured)
+        return 0;
+    PyErr_Format(self->comm->state->P2PError, "%s: this op was posted during CUDA graph capture and runs at each "
+                 "replay of the graph, so it is stream-ordered only: wait() orders the current stream after it; "
+                 "synchronize the stream the graph is replayed on to wait for it on the host", what);
+    return -1;
+}
+
 static PyObject *request_synchronize(RequestObject *self, PyObject *args, PyObject *kwargs)
 {
     double timeout;
-    if (parse_timeout(args, kwargs, "|O:synchronize", &timeout) < 0 || mp_request_complete(self, timeout) < 0)
+    if (parse_timeout(args, kwargs, "|O:synchronize", &timeout) < 0 || refuse_captured(self, "synchronize()") < 0 ||
+        mp_request_complete(self, timeout) < 0)
         return NULL;
     Py_RETURN_TRUE;
 }
 
 static PyObject *request_is_completed(RequestObject *self, PyObject *Py_UNUSED(ignored))
 {
+    if (refuse_captured(self, "is_completed()") < 0)
+        return NULL;
     mp_transport *t = self->comm->transport;
     if (!mp_op_done(&self->op) && t && t->ops->progress)
         t->ops->progress(t);

@@ -12,6 +12,7 @@ const char *mp_result_str(mp_result r)
     case MP_ERR_CLOSED: return "communicator closed";
     case MP_ERR_CORRUPT: return "shared memory corrupt";
     case MP_ERR_DEADLOCK: return "deadlock";
+    case MP_ERR_CAPTURE: return "not possible during CUDA graph capture";
     }
     return "unknown result";
 }

@@ -128,7 +128,8 @@ def init_communicator(
         with torch.cuda.device(dev.index):
             comm = _C.Communicator(
                 "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
-                high_priority=high_priority, on_abort=relay.publish, **common,
+                high_priority=high_priority, on_abort=relay.publish, check=_env_flag("MEGATRON_P2P_CHECK", False),
+                **common,
             )
         watchdog.watch(comm, relay.publish, relay.relayed)
     _live.add(comm)

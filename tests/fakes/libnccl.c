@@ -13,7 +13,12 @@
  *     group happens in the first ncclCommGetAsyncError past its delay, which the caller must
  *     poll anyway before using the communicator again);
  *   - ncclCommAbort unblocks the communicator's stuck work, never waits for peers, and ends the
- *     communicator: any later call on it fails.
+ *     communicator: any later call on it fails;
+ *   - CUDA graphs: ops whose stream is capturing are captured (the fake libcuda records their
+ *     kernels) and run again at each launch of the graph; a communicator's streams in one group
+ *     must be all uncaptured or all captured by the same capture (else ncclInvalidUsage, as
+ *     NCCL). Ops are numbered when their kernel runs, so each replay matches the peer's replay
+ *     in order; every rank must launch its graph as many times, or the unmatched ops stall.
  * What NCCL leaves undefined fails loudly here: a count or datatype that differs between a send
  * and its receive is an asynchronous error on both ranks (ncclInvalidUsage, the ranks named by
  * ncclGetLastError) and the kernels stall until aborted, as a real mismatch stalls; calls with
@@ -124,9 +129,9 @@ typedef struct ncclComm {
     _Atomic int aborted;
     _Atomic int injected;      /* an injected async error, once raised */
     _Atomic long ops_done;
-    long ops_issued;
+    long ops_issued;           /* ops whose kernel has started, under lib_lock, as the two below */
     long groups;
-    uint64_t send_seq[MAX_RANKS], recv_seq[MAX_RANKS]; /* issued, per peer */
+    uint64_t send_seq[MAX_RANKS], recv_seq[MAX_RANKS]; /* numbered, per peer */
     _Atomic uint64_t sends_done[MAX_RANKS], recvs_done[MAX_RANKS];
     struct launch *pending;    /* an in-progress ncclGroupEnd's work, launched when it settles */
     struct timespec pending_until;
@@ -144,16 +149,24 @@ typedef struct {
     comm_t *comm;
     CUstream stream;
     CUcontext ctx;
-    uint64_t seq;
-    int silent;
+    unsigned long long capture; /* the id of the capture its stream was in at the call, or 0 */
 } op_t;
 
-/* One kernel: a group's ops of one communicator on one stream. */
+/* One kernel: a group's ops of one communicator on one stream. A captured one runs at each launch
+ * of its graph, so what one run changes lives in op_run. */
 typedef struct {
     comm_t *comm;
     int nops;
     op_t ops[];
 } task_t;
+
+typedef struct {
+    uint64_t seq;    /* the op's number among the ops between this rank and the peer, one way */
+    int silent;      /* injected: it never posts */
+    size_t progress; /* bytes moved */
+    int flag;        /* posted (receive) or matched (send) */
+    int done;
+} op_run;
 
 typedef struct launch {
     int ntasks;
@@ -470,18 +483,20 @@ static void count_done(comm_t *c)
 }
 
 /* One step of a receive; 1 when it is complete. `progress` carries the bytes taken so far. */
-static int recv_step(comm_t *c, op_t *o, size_t *progress, int *posted)
+static int recv_step(comm_t *c, const op_t *o, op_run *st)
 {
+    size_t *progress = &st->progress;
+    int *posted = &st->flag;
     channel *ch = chan(c, o->peer, c->rank);
     if (!*posted) {
-        if (atomic_load(&ch->posted) != o->seq || atomic_load(&c->recvs_done[o->peer]) + RING <= o->seq)
+        if (atomic_load(&ch->posted) != st->seq || atomic_load(&c->recvs_done[o->peer]) + RING <= st->seq)
             return 0;
-        ch->post[o->seq % RING].count = o->count;
-        ch->post[o->seq % RING].type = o->type;
-        atomic_store(&ch->posted, o->seq + 1);
+        ch->post[st->seq % RING].count = o->count;
+        ch->post[st->seq % RING].type = o->type;
+        atomic_store(&ch->posted, st->seq + 1);
         *posted = 1;
     }
-    if (atomic_load(&c->recvs_done[o->peer]) != o->seq || atomic_load(&ch->matched) <= o->seq)
+    if (atomic_load(&c->recvs_done[o->peer]) != st->seq || atomic_load(&ch->matched) <= st->seq)
         return 0; /* an earlier receive from the peer first; then its send must have matched */
     size_t total = o->count * type_size(o->type);
     if (*progress < total && atomic_load(&ch->produced) > atomic_load(&ch->consumed)) {
@@ -491,19 +506,21 @@ static int recv_step(comm_t *c, op_t *o, size_t *progress, int *posted)
     }
     if (*progress < total)
         return 0;
-    atomic_store(&c->recvs_done[o->peer], o->seq + 1);
+    atomic_store(&c->recvs_done[o->peer], st->seq + 1);
     return 1;
 }
 
-static int send_step(comm_t *c, op_t *o, size_t *progress, int *matched)
+static int send_step(comm_t *c, const op_t *o, op_run *st)
 {
+    size_t *progress = &st->progress;
+    int *matched = &st->flag;
     channel *ch = chan(c, c->rank, o->peer);
-    if (atomic_load(&c->sends_done[o->peer]) != o->seq || atomic_load(&ch->posted) <= o->seq)
+    if (atomic_load(&c->sends_done[o->peer]) != st->seq || atomic_load(&ch->posted) <= st->seq)
         return 0; /* strict rendezvous: the receive must be posted */
     size_t total = o->count * type_size(o->type);
     if (!*matched) {
-        uint64_t count = ch->post[o->seq % RING].count;
-        int type = ch->post[o->seq % RING].type;
+        uint64_t count = ch->post[st->seq % RING].count;
+        int type = ch->post[st->seq % RING].type;
         if (count != o->count || type != o->type) {
             int none = 0;
             if (atomic_compare_exchange_strong(&c->seg->error_claimed, &none, 1)) {
@@ -514,7 +531,7 @@ static int send_step(comm_t *c, op_t *o, size_t *progress, int *matched)
             }
             return 0;
         }
-        atomic_store(&ch->matched, o->seq + 1);
+        atomic_store(&ch->matched, st->seq + 1);
         *matched = 1;
     }
     if (*progress < total && atomic_load(&ch->produced) == atomic_load(&ch->consumed)) {
@@ -526,40 +543,63 @@ static int send_step(comm_t *c, op_t *o, size_t *progress, int *matched)
     }
     if (*progress < total || atomic_load(&ch->produced) != atomic_load(&ch->consumed))
         return 0; /* complete once the receiver has taken every byte */
-    atomic_store(&c->sends_done[o->peer], o->seq + 1);
+    atomic_store(&c->sends_done[o->peer], st->seq + 1);
     return 1;
+}
+
+/* Numbers a kernel's ops as it starts: the k-th send to a peer that runs meets the peer's k-th
+ * receive that runs, whether issued or replayed from a graph. */
+static void number_ops(const task_t *t, op_run *st)
+{
+    comm_t *c = t->comm;
+    pthread_mutex_lock(&lib_lock);
+    for (int i = 0; i < t->nops; i++) {
+        const op_t *o = &t->ops[i];
+        st[i].seq = o->send ? c->send_seq[o->peer]++ : c->recv_seq[o->peer]++;
+        st[i].silent = c->rank == c->f.silent_rank && c->ops_issued >= c->f.silent_after;
+        c->ops_issued++;
+    }
+    pthread_mutex_unlock(&lib_lock);
 }
 
 static void run_task(void *arg)
 {
-    task_t *t = arg;
+    const task_t *t = arg;
     comm_t *c = t->comm;
+    if (atomic_load(&c->aborted))
+        return;
     if (c->f.delay_ms > 0)
         sleep_ms(c->f.delay_ms);
-    size_t progress[MAX_GROUP_OPS] = {0};
-    int flag[MAX_GROUP_OPS] = {0}, done[MAX_GROUP_OPS] = {0};
+    op_run *run = calloc((size_t)t->nops, sizeof *run);
+    if (!run) {
+        set_error(c, "a kernel could not allocate its state");
+        atomic_store(&c->state, ncclSystemError);
+        return;
+    }
+    number_ops(t, run);
     int left = t->nops;
     for (unsigned spins = 0; left > 0 && !atomic_load(&c->aborted); spins++) {
         int moved = 0;
         for (int i = 0; i < t->nops && !stalled(c); i++) {
-            op_t *o = &t->ops[i];
-            if (done[i] || o->silent)
+            const op_t *o = &t->ops[i];
+            op_run *st = &run[i];
+            if (st->done || st->silent)
                 continue;
-            size_t before = progress[i];
-            int before_flag = flag[i];
-            if (o->send ? send_step(c, o, &progress[i], &flag[i]) : recv_step(c, o, &progress[i], &flag[i])) {
-                done[i] = 1;
+            size_t before = st->progress;
+            int before_flag = st->flag;
+            if (o->send ? send_step(c, o, st) : recv_step(c, o, st)) {
+                st->done = 1;
                 left--;
                 count_done(c);
             }
-            moved |= done[i] || progress[i] != before || flag[i] != before_flag;
+            moved |= st->done || st->progress != before || st->flag != before_flag;
         }
         if (moved)
             spins = 0;
         else
             pause_for(spins);
     }
-    free(t);
+    free(run);
 }
 
 /* ---- groups ----------------------------------------------------------------------------------- */
@@ -598,24 +638,64 @@ static ncclResult_t add_op(int send, const void *buf, size_t count, int type, in
         set_error(c, "%s: more than %d ops in one group", call, MAX_GROUP_OPS);
         return ncclInvalidUsage;
     }
+    CUstreamCaptureStatus status;
+    unsigned long long capture = 0;
+    if (mpfake_stream_capture(c->ctx, stream, &status, &capture) != CUDA_SUCCESS) {
+        set_error(c, "%s: asking whether the stream is capturing failed", call);
+        return ncclUnhandledCudaError;
+    }
+    for (int i = 0; i < group_nops; i++)
+        if (group_ops[i].comm == c && group_ops[i].capture != capture) {
+            set_error(c, "%s: the streams of a communicator in one group must be all uncaptured or all captured by "
+                      "the same capture (this op's capture: %llu, an earlier op's: %llu)", call, capture,
+                      group_ops[i].capture);
+            return ncclInvalidUsage;
+        }
     if (!group_ops && !(group_ops = malloc(sizeof(op_t) * MAX_GROUP_OPS)))
         return ncclSystemError;
     op_t *o = &group_ops[group_nops++];
-    *o = (op_t){send, (void *)buf, count, type, peer, c, stream, c->ctx, 0, 0};
+    *o = (op_t){send, (void *)buf, count, type, peer, c, stream, c->ctx, capture};
     return ncclSuccess;
 }
 
-static void launch(launch_t *l)
+/* A group issued while its stream captured, launched later (it was in progress): it belongs to
+ * the graph only if that capture is still on. */
+static int capture_unchanged(const task_t *t, CUstream stream)
 {
-    for (int i = 0; i < l->ntasks; i++)
-        if (mpfake_stream_enqueue(l->tasks[i]->ops[0].ctx, l->streams[i], run_task, l->tasks[i]) != CUDA_SUCCESS) {
-            set_error(l->tasks[i]->comm, "launching a kernel on its stream failed");
-            atomic_store(&l->tasks[i]->comm->state, ncclUnhandledCudaError);
-            free(l->tasks[i]);
+    CUstreamCaptureStatus status;
+    unsigned long long now = 0;
+    return mpfake_stream_capture(t->ops[0].ctx, stream, &status, &now) == CUDA_SUCCESS && now == t->ops[0].capture;
+}
+
+/* Enqueues each task (the driver owns it from there); returns the first failure, which is also
+ * left as its communicator's state. */
+static ncclResult_t launch(launch_t *l)
+{
+    ncclResult_t first = ncclSuccess;
+    for (int i = 0; i < l->ntasks; i++) {
+        task_t *t = l->tasks[i];
+        ncclResult_t r = ncclSuccess;
+        CUresult cr = CUDA_SUCCESS;
+        if (!capture_unchanged(t, l->streams[i])) {
+            set_error(t->comm, "a group issued while its stream was capturing (capture %llu) was launched after "
+                      "that capture ended: poll ncclCommGetAsyncError until ncclSuccess before ending the capture",
+                      t->ops[0].capture);
+            r = ncclInvalidUsage;
+        } else if ((cr = mpfake_stream_enqueue_owned(t->ops[0].ctx, l->streams[i], run_task, t, free)) != CUDA_SUCCESS) {
+            set_error(t->comm, "launching a kernel on its stream failed (CUDA error %d)", cr);
+            r = ncclUnhandledCudaError;
         }
+        if (r != ncclSuccess) {
+            atomic_store(&t->comm->state, r);
+            free(t);
+            if (first == ncclSuccess)
+                first = r;
+        }
+    }
     free(l->tasks);
     free(l->streams);
     free(l);
+    return first;
 }
 
 /* The group's ops as one kernel per (communicator, stream), in issue order. */
@@ -638,13 +718,6 @@ static ncclResult_t close_group(void)
                       ops[i].comm->rank);
             return ncclInvalidUsage;
         }
-    }
-    for (size_t i = 0; i < n; i++) { /* numbered only once the group is sure to launch */
-        op_t *o = &ops[i];
-        comm_t *c = o->comm;
-        o->seq = o->send ? c->send_seq[o->peer]++ : c->recv_seq[o->peer]++;
-        o->silent = c->rank == c->f.silent_rank && c->ops_issued >= c->f.silent_after;
-        c->ops_issued++;
     }
     launch_t *l = calloc(1, sizeof *l);
     if (!l || !(l->tasks = calloc(n, sizeof *l->tasks)) || !(l->streams = calloc(n, sizeof *l->streams)))
@@ -671,10 +744,8 @@ static ncclResult_t close_group(void)
     int delay = !eligible ? 0
                 : first->f.group_in_progress_every ? first->f.group_in_progress_ms
                 : random_below(1) ? random_below(first->f.group_in_progress_ms) : 0;
-    if (delay <= 0) {
-        launch(l);
-        return ncclSuccess;
-    }
+    if (delay <= 0)
+        return launch(l);
     pthread_mutex_lock(&lib_lock);
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
