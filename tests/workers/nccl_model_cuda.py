@@ -41,6 +41,11 @@ class _Stream:
     cuda_stream = 0  # the context's default stream, as torch's default stream is
 
 
+def use_stream(handle: int) -> None:
+    """Makes `handle` (a CUstream of the fake driver) torch's current stream in this process."""
+    _Stream.cuda_stream = handle
+
+
 @contextlib.contextmanager
 def _device(index: Any) -> Iterator[None]:
     yield
