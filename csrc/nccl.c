@@ -124,17 +124,22 @@ static const char *nccl_error(nccl_t *n, mp_ncclComm_t comm, mp_ncclResult_t r)
     return last && last[0] ? last : n->nccl->GetErrorString(r);
 }
 
-/* The device's context is made current for the calling thread while it works on the device. */
-static mp_CUcontext enter(nccl_t *n)
+/* Makes the device's context current for the calling thread while it works on the device;
+ * leave(n, *saved) restores the thread's own. On a failure nothing may run on the device: the
+ * calls would go to no context, or to another device's. */
+static mp_CUresult enter(nccl_t *n, mp_CUcontext *saved)
 {
-    mp_CUcontext cur = NULL;
+    *saved = n->ctx; /* what leave() leaves alone */
     if (!n->ctx) /* creation failed before the context existed */
-        return NULL;
-    n->cu->CtxGetCurrent(&cur);
-    if (cur != n->ctx)
-        n->cu->CtxSetCurrent(n->ctx);
-    return cur;
+        return MP_CUDA_SUCCESS;
+    mp_CUcontext cur = NULL;
+    mp_CUresult r = n->cu->CtxGetCurrent(&cur);
+    if (r == MP_CUDA_SUCCESS && cur != n->ctx && (r = n->cu->CtxSetCurrent(n->ctx)) == MP_CUDA_SUCCESS)
+        *saved = cur;
+    return r;
 }
+
+#define ENTER_FAILED "making the CUDA device's primary context current failed"
 
 static void leave(nccl_t *n, mp_CUcontext saved)
 {
@@ -215,7 +220,8 @@ static void abort_locked(nccl_t *n, mp_result cause, int rank, const char *detai
     n->cause = cause;
     n->cause_rank = rank;
     snprintf(n->cause_detail, sizeof n->cause_detail, "%s", detail);
-    mp_CUcontext saved = enter(n);
+    mp_CUcontext saved;
+    enter(n, &saved); /* ncclCommAbort must run regardless */
     for (int l = 0; l < n->base.nlanes; l++)
         if (n->lanes[l].comm) {
             n->nccl->CommAbort(n->lanes[l].comm);
@@ -465,7 +471,10 @@ static mp_result nccl_begin(mp_transport *t, void *stream)
     pthread_mutex_lock(&n->issue);
     pthread_mutex_lock(&n->lock);
     mp_result res = n->cause != MP_OK ? n->cause : MP_OK;
-    mp_CUcontext saved = enter(n);
+    mp_CUcontext saved;
+    mp_CUresult entered = enter(n, &saved);
+    if (res == MP_OK && entered != MP_CUDA_SUCCESS)
+        res = fail_cuda(n, ENTER_FAILED, entered);
     n->capturing = res == MP_OK && is_capturing(n, (mp_CUstream)stream);
     if (n->capturing && n->check) /* debug matching waits on the host before every step */
         res = MP_ERR_CAPTURE;
@@ -510,7 +519,14 @@ static mp_result nccl_post(mp_transport *t, mp_step *step)
     else
         lane->open_head = step;
     lane->open_tail = step; /* owned from here on: an abort (even while the launch settles) frees it */
-    mp_CUcontext saved = enter(n);
+    mp_CUcontext saved;
+    mp_CUresult entered = enter(n, &saved);
+    if (entered != MP_CUDA_SUCCESS) {
+        fail_cuda(n, ENTER_FAILED, entered);
+        pthread_mutex_unlock(&n->lock);
+        pthread_mutex_unlock(&n->issue);
+        return MP_OK; /* its ops report the failure */
+    }
     if (n->check && step->nops) {
         char detail[MP_DETAIL_LEN];
         mp_result checked = check_step(n, step, detail, sizeof detail);
@@ -540,7 +556,10 @@ static mp_result nccl_end(mp_transport *t)
     pthread_mutex_lock(&n->issue);
     pthread_mutex_lock(&n->lock);
     mp_result res = MP_OK;
-    mp_CUcontext saved = enter(n);
+    mp_CUcontext saved;
+    mp_CUresult entered = enter(n, &saved);
+    if (entered != MP_CUDA_SUCCESS && n->cause == MP_OK)
+        res = fail_cuda(n, ENTER_FAILED, entered);
     for (int l = 0; l < t->nlanes && n->cause == MP_OK; l++) {
         lane_t *lane = &n->lanes[l];
         if (!lane->open_head)
@@ -636,7 +655,13 @@ static mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
     nccl_t *n = (nccl_t *)t;
     mp_result res = MP_OK;
     pthread_mutex_lock(&n->lock);
-    mp_CUcontext saved = enter(n);
+    mp_CUcontext saved;
+    mp_CUresult entered = enter(n, &saved);
+    if (entered != MP_CUDA_SUCCESS) {
+        res = fail_cuda(n, ENTER_FAILED, entered);
+        pthread_mutex_unlock(&n->lock);
+        return res;
+    }
     n->capturing = is_capturing(n, (mp_CUstream)stream);
     if (n->cause == MP_OK && !n->capturing)
         progress_locked(n);
@@ -699,6 +724,15 @@ static mp_result nccl_abort_cause(mp_transport *t, int *rank)
     return cause;
 }
 
+/* Why the communicator was aborted (for op NULL); an op's own failure says the rest. */
+static void nccl_failure_report(mp_transport *t, const mp_op *op, char *buf, size_t len)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    snprintf(buf, len, "%s", op ? "" : n->cause_detail);
+    pthread_mutex_unlock(&n->lock);
+}
+
 static void nccl_describe_peer(mp_transport *t, const mp_op *op, char *buf, size_t len)
 {
     (void)t;
@@ -732,7 +766,8 @@ static void nccl_destroy(mp_transport *t)
         usleep(200);
     }
     if (n->ctx) {
-        mp_CUcontext saved = enter(n);
+        mp_CUcontext saved;
+        enter(n, &saved); /* best effort: the process may be ending */
         for (int l = 0; l < t->nlanes; l++)
             if (n->lanes[l].stream)
                 n->cu->StreamDestroy(n->lanes[l].stream);
@@ -776,6 +811,7 @@ static const mp_transport_ops nccl_ops = {
     .progress = nccl_progress,
     .stream_wait = nccl_stream_wait,
     .watch = nccl_watch,
+    .failure_report = nccl_failure_report,
 };
 
 /* ---- creation ------------------------------------------------------------------------------- */
@@ -838,8 +874,10 @@ static mp_result open_device(nccl_t *n, const mp_nccl_config *cfg, char *err, si
         return MP_ERR_SYSTEM;
     }
     int least = 0, greatest = 0;
-    mp_CUcontext saved = enter(n);
-    r = cu->CtxGetStreamPriorityRange(&least, &greatest);
+    mp_CUcontext saved;
+    r = enter(n, &saved);
+    if (r == MP_CUDA_SUCCESS)
+        r = cu->CtxGetStreamPriorityRange(&least, &greatest);
     for (int l = 0; r == MP_CUDA_SUCCESS && l < cfg->nlanes; l++)
         r = cu->StreamCreateWithPriority(&n->lanes[l].stream, MP_CU_STREAM_NON_BLOCKING,
                                          cfg->high_priority ? greatest : least);
@@ -909,8 +947,13 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     double deadline = mp_now() + cfg->timeout;
     mp_result res = open_device(n, cfg, err, errlen);
     if (res == MP_OK) {
-        mp_CUcontext saved = enter(n);
-        res = open_comms(n, cfg, deadline, err, errlen);
+        mp_CUcontext saved;
+        mp_CUresult entered = enter(n, &saved);
+        if (entered != MP_CUDA_SUCCESS) {
+            snprintf(err, errlen, "%s: %s", ENTER_FAILED, cu_error(n, entered));
+            res = MP_ERR_SYSTEM;
+        } else
+            res = open_comms(n, cfg, deadline, err, errlen);
         if (res == MP_OK)
             res = warm_up(n, deadline, err, errlen);
         leave(n, saved);

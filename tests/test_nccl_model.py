@@ -276,6 +276,18 @@ def test_every_call_leaves_the_threads_current_context_as_it_found_it(torch_cont
     assert all(v["unchanged"].values()), v["unchanged"]
 
 
+@pytest.mark.parametrize("torch_context", [False, True], ids=["no-context", "torch-made-it-current"])
+def test_a_context_the_driver_refuses_to_make_current_fails_the_call_saying_so(torch_context):
+    """Finding 4: a failing cuCtxSetCurrent must stop the calls that would follow it with no
+    context; when the thread has the device's context current already, none is needed."""
+    v = run_one("nccl_model_findings.py", {"case": "refused", "torch_context": torch_context})
+    if torch_context:
+        assert v["exchange"]["type"] is None and v["exact"], v
+    else:
+        assert v["exchange"]["type"] == "P2PError", v["exchange"]
+        assert "primary context current failed" in v["exchange"]["msg"], v["exchange"]["msg"]
+
+
 STUCK_GROUP_END = {  # every group after each lane's warm-up answers ncclInProgress for 3 s
     "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "3000",
     "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1",

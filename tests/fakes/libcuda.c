@@ -667,6 +667,17 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream
     return enqueue_copy(dst, (const void *)(uintptr_t)src, bytes, stream);
 }
 
+/* ---- for tests ------------------------------------------------------------------------------ */
+
+/* MPFAKE_CUDA_FAIL_SET_CURRENT_AFTER, set while the process runs: after `n` more successful
+ * cuCtxSetCurrent calls every later one fails (n < 0: never). */
+void mpfake_fail_set_current_after(long n)
+{
+    pthread_mutex_lock(&driver_lock);
+    set_current_budget = n;
+    pthread_mutex_unlock(&driver_lock);
+}
+
 /* ---- for the fake libnccl -------------------------------------------------------------------- */
 
 CUcontext mpfake_current_context(void) { return (CUcontext)current; }

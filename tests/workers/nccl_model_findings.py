@@ -1,5 +1,6 @@
 """One-rank probes of the review findings on the NCCL backend (params["case"]), over the fakes:
   context  the calling thread's current CUDA context before and after each call of the package
+  refused  the driver refuses every cuCtxSetCurrent after creation: what an exchange does then
   abort    an exchange stuck in ncclGroupEnd's ncclInProgress, and abort() from another thread
   close    close() with an exchange pending that the fake never runs (the rank is silent)
   watch    an exchange waited on the stream only (Request.wait()), then the host idles past the
@@ -27,7 +28,7 @@ def body(params):
     case = params["case"]
     out = {}
     cuda = ctypes.CDLL(nccl_model_cuda.ENV["MEGATRON_P2P_CUDA_LIBRARY"])
-    if case == "context" and params.get("torch_context"):
+    if case in ("context", "refused") and params.get("torch_context"):
         # torch's runtime makes the device's primary context current on a thread that uses it.
         ctx = ctypes.c_void_p()
         assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
@@ -54,6 +55,11 @@ def body(params):
         out["unchanged"] = {k: v == seen["before"] for k, v in seen.items()}
         out["had_context"] = seen["before"] != 0
         return out
+    if case == "refused":
+        cuda.mpfake_fail_set_current_after(ctypes.c_long(0))
+        out["exchange"] = harness.caught(lambda: [r.synchronize() for r in
+                                                  comm.exchange(send_next=on(t), recv_prev=on(got)).values()])
+        out["exact"] = bool(torch.equal(got, t))
     if case == "abort":
         start = time.monotonic()
         aborted = {}
