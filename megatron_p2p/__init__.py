@@ -20,7 +20,10 @@ What you get:
   that posted it, and what the peer has posted); ranks only waiting on them get the same report;
 - on GPUs (backend="nccl" or "auto"), NCCL grouped send/recv on dedicated CUDA streams, one
   NCCL communicator per lane, libnccl found at run time (nccl_version() says which);
-  Request.wait() makes the current stream wait, Request.synchronize() blocks the host.
+  Request.wait() makes the current stream wait, Request.synchronize() blocks the host; a
+  watchdog thread times the device work no host wait times, aborts and reports it (and under
+  torchrun ends the process); exchanges can be captured into CUDA graphs; MEGATRON_P2P_CHECK=1
+  compares every transfer's bytes, dtype and shape with its receiver's before the data moves.
 
 Megatron drop-in (megatron-core 0.14+ and the older module-level functions):
 - P2PCommunicator(pp_group, config): megatron-core's class, same methods and return values,
