@@ -507,7 +507,7 @@ static void publish_abort(CommObject *self, PyObject *message)
 
 void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
 {
-    self->transport->ops->abort(self->transport, MP_ERR_TIMEOUT, self->group_rank);
+    self->transport->ops->abort(self->transport, MP_ERR_TIMEOUT, self->group_rank, NULL);
     publish_abort(self, message);
 }
 
@@ -799,15 +799,16 @@ done:
 
 static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"rank", NULL};
+    static char *kwlist[] = {"rank", "reason", NULL};
     PyObject *rank_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$O:abort", kwlist, &rank_obj))
+    const char *reason = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Oz:abort", kwlist, &rank_obj, &reason))
         return NULL;
     int cause = self->group_rank;
     if (rank_obj != Py_None && (cause = group_rank_of(self, rank_obj, "rank")) < 0)
         return NULL;
     if (self->transport)
-        self->transport->ops->abort(self->transport, MP_ERR_ABORTED, cause);
+        self->transport->ops->abort(self->transport, MP_ERR_ABORTED, cause, reason);
     Py_RETURN_NONE;
 }
 
@@ -830,7 +831,7 @@ static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignor
     Py_DECREF(report);
     if (!msg)
         return NULL;
-    t->ops->abort(t, cause, self->group_rank);
+    t->ops->abort(t, cause, self->group_rank, detail);
     Py_XSETREF(self->abort_report, Py_NewRef(msg));
     PyObject *exc = PyObject_CallOneArg(mp_failure_type(self->state, cause), msg);
     Py_DECREF(msg);
@@ -999,8 +1000,9 @@ static PyMethodDef comm_methods[] = {
      "batch(ops, *, lane=0, call=None) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on "
      "`lane`, after every op issued before on it."},
     {"abort", (PyCFunction)(void (*)(void))comm_abort, METH_VARARGS | METH_KEYWORDS,
-     "abort(*, rank=None) -> None\n\nFails every pending op here and at every peer. Idempotent. rank: the "
-     "global rank whose failure this abort passes on (default: this one), which reports name as the cause."},
+     "abort(*, rank=None, reason=None) -> None\n\nFails every pending op here and at every peer. Idempotent. "
+     "rank: the global rank whose failure this abort passes on (default: this one), which reports name as the "
+     "cause; reason: why, quoted by the failures it causes."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
     {"stats", (PyCFunction)comm_stats, METH_NOARGS, "Messages and bytes posted, and seconds spent in wait()."},

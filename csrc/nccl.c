@@ -704,12 +704,13 @@ static mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_
     return cause;
 }
 
-static void nccl_abort(mp_transport *t, mp_result cause, int rank)
+static void nccl_abort(mp_transport *t, mp_result cause, int rank, const char *why)
 {
     nccl_t *n = (nccl_t *)t;
     pthread_mutex_lock(&n->lock);
-    char detail[128];
-    snprintf(detail, sizeof detail, "%s (group rank %d)", mp_result_str(cause), rank);
+    char detail[MP_DETAIL_LEN];
+    snprintf(detail, sizeof detail, "%s (group rank %d)%s%s", mp_result_str(cause), rank, why && why[0] ? ": " : "",
+             why ? why : "");
     abort_locked(n, cause, rank, detail);
     pthread_mutex_unlock(&n->lock);
 }

@@ -153,9 +153,13 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
     case MP_ERR_DEADLOCK:
         snprintf(buf, len, "this rank is in a wait-for cycle that can never resolve (the deadlock report follows)");
         break;
-    default:
-        snprintf(buf, len, "communicator aborted by rank %d (%s)", rank, mp_result_str(cause));
+    default: {
+        shm_header *h = shm_hdr(&s->v);
+        int told = atomic_load_explicit(&h->abort_why_ready, memory_order_acquire);
+        snprintf(buf, len, "communicator aborted by rank %d (%s)%s%.*s", rank, mp_result_str(cause), told ? ": " : "",
+                 (int)sizeof h->abort_why, told ? h->abort_why : "");
         break;
+    }
     }
 }
 
@@ -498,13 +502,18 @@ static int fail_unserved(shm_t *s, int departed)
     return failed;
 }
 
-static void shm_abort(mp_transport *t, mp_result cause, int rank)
+static void shm_abort(mp_transport *t, mp_result cause, int rank, const char *why)
 {
     shm_t *s = as_shm(t);
     shm_header *h = shm_hdr(&s->v);
     uint32_t none = MP_OK;
-    if (atomic_compare_exchange_strong(&h->abort_cause, &none, (uint32_t)cause))
+    if (atomic_compare_exchange_strong(&h->abort_cause, &none, (uint32_t)cause)) {
         atomic_store(&h->abort_rank, rank);
+        if (why && why[0]) {
+            snprintf(h->abort_why, sizeof h->abort_why, "%s", why);
+            atomic_store_explicit(&h->abort_why_ready, 1, memory_order_release);
+        }
+    }
     for (int r = 0; r < t->size; r++)
         ring(s, r);
 }
@@ -539,7 +548,7 @@ static void check_liveness(shm_t *s)
             dead = kill(s->pids[r], 0) != 0 && errno == ESRCH;
         }
         if (dead) {
-            shm_abort(&s->base, MP_ERR_PEER_DEAD, r);
+            shm_abort(&s->base, MP_ERR_PEER_DEAD, r, NULL);
             return;
         }
     }
@@ -860,7 +869,7 @@ static void shm_destroy(mp_transport *t)
         for (int l = 0; l < t->nlanes && !pending; l++)
             pending = s->lanes[l].head != NULL;
         if (pending && shm_abort_cause(t, NULL) == MP_OK)
-            shm_abort(t, MP_ERR_CLOSED, t->rank); /* peers waiting on these ops fail fast */
+            shm_abort(t, MP_ERR_CLOSED, t->rank, NULL); /* peers waiting on these ops fail fast */
         char why[MP_DETAIL_LEN];
         snprintf(why, sizeof why, "communicator closed with this op pending");
         fail_queue(s, &s->incoming, MP_ERR_CLOSED, why);

@@ -18,8 +18,9 @@ typedef struct {
     mp_result (*post)(mp_transport *t, mp_step *step);
     /* Blocks until `op` is DONE or `deadline` (mp_now() seconds) passes: MP_ERR_TIMEOUT. */
     mp_result (*wait)(mp_transport *t, mp_op *op, double deadline);
-    /* Fails every pending op here and at every peer; the first cause recorded wins. */
-    void (*abort)(mp_transport *t, mp_result cause, int rank);
+    /* Fails every pending op here and at every peer; the first cause recorded wins. `why` (may be
+     * NULL): the aborting rank's reason, which the failures quote. */
+    void (*abort)(mp_transport *t, mp_result cause, int rank, const char *why);
     /* Why the communicator is unusable (MP_OK while it is usable), and which rank caused it. */
     mp_result (*abort_cause)(mp_transport *t, int *rank);
     /* One line on what is known of `op`'s peer, for timeout reports. */

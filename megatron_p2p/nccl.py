@@ -124,8 +124,10 @@ class AbortRelay:
     def publish(self, message: Optional[str]) -> None:
         self._store.set(self._key, json.dumps({"rank": self._rank, "message": message or "aborted"}).encode())
 
-    def relayed(self) -> Optional[int]:
-        """The global rank that published an abort, or None while none has."""
+    def relayed(self) -> Optional[tuple[int, str]]:
+        """The global rank that published an abort and the first line of its reason, or None while
+        none has."""
         if not self._store.check([self._key]):
             return None
-        return int(json.loads(self._store.get(self._key))["rank"])
+        told = json.loads(self._store.get(self._key))
+        return int(told["rank"]), str(told["message"]).split("\n", 1)[0]

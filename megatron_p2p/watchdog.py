@@ -50,7 +50,8 @@ def handling() -> str:
 
 
 class _Watched:
-    def __init__(self, comm: "_C.Communicator", publish: Callable[[str], None], relayed: Callable[[], Optional[int]]):
+    def __init__(self, comm: "_C.Communicator", publish: Callable[[str], None],
+                 relayed: Callable[[], Optional[tuple[int, str]]]):
         self.comm = weakref.ref(comm)
         self.publish = publish
         self.relayed = relayed
@@ -65,9 +66,10 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
 
     def watch(self, comm: "_C.Communicator", publish: Callable[[str], None],
-              relayed: Callable[[], Optional[int]]) -> None:
+              relayed: Callable[[], Optional[tuple[int, str]]]) -> None:
         """Watches `comm` until it is closed or dropped. `publish(report)` tells the peers about an
-        abort; `relayed()` returns the global rank that aborted when a peer has published one."""
+        abort; `relayed()` returns the global rank that aborted and why, once a peer has published
+        an abort."""
         handling()  # a wrong setting fails at creation, not when the watchdog fires
         with self._lock:
             self._watched.append(_Watched(comm, publish, relayed))
@@ -94,11 +96,11 @@ class Watchdog:
         if comm is None or comm.closed:
             return
         try:
-            rank = w.relayed()
+            told = w.relayed()
         except Exception:  # noqa: BLE001 - the store is gone: the job is ending
-            rank = None
-        if rank is not None:
-            comm.abort(rank=rank)
+            told = None
+        if told is not None:
+            comm.abort(rank=told[0], reason=told[1])
             return
         found = comm.watchdog_check()
         if found is None:
@@ -121,6 +123,7 @@ class Watchdog:
 _watchdog = Watchdog()
 
 
-def watch(comm: "_C.Communicator", publish: Callable[[str], None], relayed: Callable[[], Optional[int]]) -> None:
+def watch(comm: "_C.Communicator", publish: Callable[[str], None],
+          relayed: Callable[[], Optional[tuple[int, str]]]) -> None:
     """Puts `comm` under the process's watchdog (see Watchdog.watch)."""
     _watchdog.watch(comm, publish, relayed)

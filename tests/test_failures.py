@@ -167,10 +167,11 @@ def test_context_manager_closes_the_communicator(cases):
 
 def test_abort_on_one_rank_fails_the_peers_pending_wait_fast(cases):
     """Rank 0 aborts after 1 s; rank 1, waiting on a receive from it with a 60 s timeout, raises
-    P2PError within seconds, and rank 0 can no longer post."""
+    P2PError within seconds quoting rank 0's reason, and rank 0 can no longer post."""
     aborter, waiter = section(cases, "abort")
     r = waiter["pending_wait"]
     assert_raised(r, "P2PError", "irecv from rank 0")
+    assert "aborted by rank 0 (communicator aborted): the loss went NaN" in r["msg"], r["msg"]
     assert r["elapsed"] < 1.0 + SLACK, r["elapsed"]
     assert_raised(aborter["use_after_abort"], "P2PError", "aborted")
 

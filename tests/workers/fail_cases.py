@@ -146,10 +146,11 @@ def lifecycle(torch, mp, comm):
 
 
 def abort(torch, mp, comm):
-    """Rank 0 aborts after a second; rank 1 is waiting on a receive from it with a 60 s timeout."""
+    """Rank 0 aborts after a second, saying why; rank 1 is waiting on a receive from it with a 60 s
+    timeout."""
     if comm.rank == 0:
         time.sleep(1.0)
-        comm.abort()
+        comm.abort(reason="the loss went NaN")
         return {"use_after_abort": caught(lambda: comm.isend(torch.zeros(4), comm.next_rank))}
     req = comm.irecv(torch.zeros(4), comm.prev_rank)
     return {"pending_wait": caught(lambda: req.wait(timeout=60.0))}
