@@ -1,6 +1,8 @@
 """One GPU, one rank, sending to itself: megatron_p2p's NCCL backend against torch.distributed's
-NCCL batch_isend_irecv, in the same run. Bandwidth from 1 MiB to 1 GiB (bytes / time), and the
-host time to post and wait for one small exchange.
+NCCL batch_isend_irecv, in the same run. Bandwidth from 1 MiB to 1 GiB (bytes / time), and per
+exchange of 1 KiB to 1 MiB: the host time to post and wait (median), and the GPU's time (CUDA
+events around exchanges queued behind a GPU sleep, so the host's pace does not count). Ratios
+are megatron_p2p / torch.
 
     torchrun --standalone --nproc-per-node 1 benchmarks/gpu_selfloop.py [--out results.json]
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,6 +22,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # the source tree, wh
 import megatron_p2p as mp  # noqa: E402
 
 SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+SMALL_SIZES = [1 << 10, 64 << 10, 1 << 20]
+AHEAD_CYCLES = 400_000_000  # a GPU sleep of 0.2 s or more: the host queues all 100 exchanges before the first runs
 
 
 def mp_step(comm, src, dst):
@@ -44,18 +49,67 @@ def device_seconds(step, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def host_seconds(step, iters: int) -> float:
+def host_median_seconds(step, iters: int) -> float:
+    """The host's time to post one exchange and wait() on it, the median of `iters`."""
     for _ in range(20):
         for w in step():
             w.wait()
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        for w in step():
+            w.wait()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def gpu_seconds_queued(step, iters: int) -> float:
+    """The GPU's time per exchange, from CUDA events around `iters` exchanges that the host has
+    queued behind a GPU sleep, so that the host's posting pace is not part of it."""
+    for _ in range(20):
+        for w in step():
+            w.wait()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(AHEAD_CYCLES)
+    start.record()
     for _ in range(iters):
         for w in step():
             w.wait()
-    host = (time.perf_counter() - start) / iters
+    end.record()
     torch.cuda.synchronize()
-    return host
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs and theirs == theirs else float("nan")
+
+
+def per_exchange(comm, torch_ok: bool) -> list[dict]:
+    """Host and GPU time per exchange of each small size, both libraries, and their ratios."""
+    print(f"{'bytes':>8} | host us: {'megatron_p2p':>12} {'torch':>8} {'ratio':>6} | "
+          f"GPU us: {'megatron_p2p':>12} {'torch':>8} {'ratio':>6}", flush=True)
+    rows = []
+    for nbytes in SMALL_SIZES:
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ours_step, theirs_step = (lambda: mp_step(comm, src, dst)), (lambda: torch_step(src, dst))
+        row = {"bytes": nbytes,
+               "megatron_p2p_host_us": host_median_seconds(ours_step, 2000) * 1e6,
+               "torch_host_us": host_median_seconds(theirs_step, 2000) * 1e6 if torch_ok else float("nan"),
+               "megatron_p2p_gpu_us": gpu_seconds_queued(ours_step, 100) * 1e6,
+               "torch_gpu_us": gpu_seconds_queued(theirs_step, 100) * 1e6 if torch_ok else float("nan")}
+        assert torch.equal(src, dst)
+        row["host_ratio"] = ratio(row["megatron_p2p_host_us"], row["torch_host_us"])
+        row["gpu_ratio"] = ratio(row["megatron_p2p_gpu_us"], row["torch_gpu_us"])
+        rows.append(row)
+        print(f"{nbytes:>8} | host us: {row['megatron_p2p_host_us']:>12.1f} {row['torch_host_us']:>8.1f} "
+              f"{row['host_ratio']:>6.2f} | GPU us: {row['megatron_p2p_gpu_us']:>12.1f} {row['torch_gpu_us']:>8.1f} "
+              f"{row['gpu_ratio']:>6.2f}", flush=True)
+        del src, dst
+    return rows
 
 
 def main() -> None:
@@ -69,7 +123,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | megatron_p2p libnccl "
           f"{'.'.join(map(str, v.version))} ({v.source})", flush=True)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "nccl": list(v.version),
-               "bandwidth": [], "host": {}}
+               "bandwidth": [], "per_exchange": []}
     torch_ok = True
     try:
         a = torch.ones(4, device="cuda")
@@ -80,6 +134,9 @@ def main() -> None:
         results["torch_error"] = str(exc)
         print(f"torch.distributed refused the self send/recv: {exc}", flush=True)
 
+    print("ratios are megatron_p2p / torch: above 1 for bandwidth, or below 1 for time, favours megatron_p2p",
+          flush=True)
+    start = time.perf_counter()
     print(f"{'bytes':>12} {'megatron_p2p GB/s':>18} {'torch GB/s':>11} {'ratio':>6}", flush=True)
     for nbytes in SIZES:
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
@@ -88,16 +145,14 @@ def main() -> None:
         ours = nbytes / device_seconds(lambda: mp_step(comm, src, dst), iters) / 1e9
         assert torch.equal(src, dst)
         theirs = nbytes / device_seconds(lambda: torch_step(src, dst), iters) / 1e9 if torch_ok else float("nan")
-        results["bandwidth"].append({"bytes": nbytes, "megatron_p2p_GBps": ours, "torch_GBps": theirs})
-        print(f"{nbytes:>12} {ours:>18.1f} {theirs:>11.1f} {ours / theirs:>6.2f}", flush=True)
+        results["bandwidth"].append({"bytes": nbytes, "megatron_p2p_GBps": ours, "torch_GBps": theirs,
+                                     "ratio": ratio(ours, theirs)})
+        print(f"{nbytes:>12} {ours:>18.1f} {theirs:>11.1f} {ratio(ours, theirs):>6.2f}", flush=True)
         del src, dst
-    small = torch.ones(256, device="cuda")
-    small_in = torch.empty_like(small)
-    ours = host_seconds(lambda: mp_step(comm, small, small_in), 2000)
-    theirs = host_seconds(lambda: torch_step(small, small_in), 2000) if torch_ok else float("nan")
-    results["host"] = {"megatron_p2p_us": ours * 1e6, "torch_us": theirs * 1e6}
-    print(f"host time per 1 KiB exchange (post + wait): megatron_p2p {ours * 1e6:.1f} us, "
-          f"torch.distributed {theirs * 1e6:.1f} us, ratio {theirs / ours:.2f}x", flush=True)
+    print(f"bandwidth: {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    results["per_exchange"] = per_exchange(comm, torch_ok)
+    print(f"per exchange: {time.perf_counter() - start:.1f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     comm.close()

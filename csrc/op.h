@@ -57,6 +57,7 @@ typedef struct mp_op {
     int phase;
     int index;            /* position in its step's ops */
     void *fence;          /* device transports: what completes it */
+    struct mp_op *next_settled; /* shm: the next op of its step done but not yet shown done */
     int captured;         /* device transports: posted into a CUDA graph capture; stream-ordered only */
 } mp_op;
 
@@ -67,6 +68,7 @@ typedef struct mp_step {
     int nops;
     int remaining;
     int activated;
+    struct mp_op *settled; /* shm: its ops whose own work is done, shown done with the last one */
     struct mp_step *next;
     mp_op *ops[];
 } mp_step;

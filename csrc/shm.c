@@ -114,13 +114,24 @@ static void ring_peer(shm_t *s, const mp_op *op)
 
 /* ---- completion ---------------------------------------------------------------------- */
 
-/* The last touch of `op`: once it is DONE its Request may be freed at any moment. */
+/* An op's own work is over. The host sees a step's ops complete together, as NCCL completes a
+ * group's (a receive whose group still sends is not done): a success waits for the step's last
+ * op; a failure shows at once. Once DONE a Request may be freed at any moment. */
 static void finish(shm_t *s, mp_step *step, mp_op *op, mp_result r)
 {
     step->ops[op->index] = NULL;
     op->result = r;
+    if (--step->remaining > 0 && r == MP_OK) {
+        op->next_settled = step->settled;
+        step->settled = op;
+        return;
+    }
     atomic_store_explicit(&op->state, MP_OP_DONE, memory_order_release);
-    step->remaining--;
+    if (step->remaining == 0)
+        for (mp_op *o = step->settled, *next; o; o = next) {
+            next = o->next_settled; /* read before DONE: the op may be freed from then on */
+            atomic_store_explicit(&o->state, MP_OP_DONE, memory_order_release);
+        }
     atomic_fetch_add(&s->completions, 1);
     if (atomic_load(&s->waiters))
         mp_futex_wake(&s->completions, 0);
@@ -630,6 +641,7 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
         return MP_ERR_ABORTED;
     step->remaining = step->nops;
     step->activated = 0;
+    step->settled = NULL;
     pthread_mutex_lock(&s->lock);
     for (int i = 0; i < step->nops; i++) {
         mp_op *op = step->ops[i];

@@ -562,7 +562,7 @@ static void advance(mp_sim *sim, int32_t r)
             if (op < 0 && w->remaining && !w->waited) {
                 w->waited = 1;
                 rk->waiting++;
-            } else if (op >= 0 && !sim->ops[op].done && !sim->ops[op].waited) {
+            } else if (op >= 0 && sim->steps[sim->ops[op].step].remaining && !sim->ops[op].waited) {
                 sim->ops[op].waited = 1;
                 rk->waiting++;
             }
@@ -582,6 +582,8 @@ static void advance(mp_sim *sim, int32_t r)
     }
 }
 
+/* An op is matched here; the host sees it complete only with its whole step, as NCCL completes
+ * a group's ops together. */
 static void complete(mp_sim *sim, int32_t id)
 {
     sim_op *o = &sim->ops[id];
@@ -591,6 +593,7 @@ static void complete(mp_sim *sim, int32_t id)
     sim_rank *rk = &sim->ranks[o->rank];
     rk->remaining--;
     c->remaining--;
+    int wake = 0;
     if (--st->remaining == 0) {
         int32_t q = o->rank * sim->nlanes + o->lane;
         int32_t head = ++sim->lane_head[q];
@@ -599,11 +602,11 @@ static void complete(mp_sim *sim, int32_t id)
             if (next->issued)
                 activate(sim, next);
         }
-    }
-    int wake = 0;
-    if (o->waited) {
-        o->waited = 0;
-        wake |= --rk->waiting == 0;
+        for (int32_t i = st->first_op; i < st->first_op + st->nops; i++)
+            if (sim->ops[i].waited) {
+                sim->ops[i].waited = 0;
+                wake |= --rk->waiting == 0;
+            }
     }
     if (c->remaining == 0 && c->waited) {
         c->waited = 0;
@@ -760,9 +763,9 @@ static int wait_ops_edges(const mp_sim *sim, int32_t first, int32_t end, edge_li
     int32_t behind_head_seen[2] = {0, 0};
     for (int32_t i = first; i < end; i++) {
         const sim_op *o = &sim->ops[i];
-        if (o->done)
+        if (o->done && sim->steps[o->step].remaining == 0)
             continue;
-        int32_t t = o->active ? op_target(sim, i) : -1;
+        int32_t t = o->active && !o->done ? op_target(sim, i) : -1; /* done: waits for its group */
         if (t < 0) {
             if (behind_head_seen[o->lane]++)
                 continue;

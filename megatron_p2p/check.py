@@ -216,7 +216,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lanes", type=int, choices=(1, 2), default=2)
     p.add_argument("--overlap", action="store_true", help="overlap_p2p_comm (interleaved)")
     p.add_argument("--variable-seq-lengths", action="store_true", help="with the shape round before each exchange")
-    p.add_argument("--eager", type=int, default=0, metavar="BYTES", help="eager threshold (default 0: strict rendezvous)")
+    p.add_argument("--eager", type=int, default=None, metavar="BYTES",
+                   help="eager threshold (default: P2PCommunicator's, 64 with --variable-seq-lengths for its shape "
+                        "headers, else 0: strict rendezvous)")
     p.add_argument("--dump", metavar="FILE", help="write the generated program to FILE")
     p.add_argument("--grid", action="store_true", help="check the whole grid of schedules and print a table")
     p.add_argument("--reduced", action="store_true", help="with --grid: the small grid the test suite runs")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 from unittest import mock
 
 import torch
@@ -69,6 +69,7 @@ class RecordingCommunicator:
     backend = "shm"
     device = torch.device("cpu")
     closed = False
+    eager_threshold = p2p_communication.HEADER_BYTES  # what P2PCommunicator gives its own
 
     def __init__(self, rank: Rank, group_rank: int, ranks: tuple[int, ...], lanes: int, header: torch.Tensor,
                  mode: str):
@@ -239,13 +240,15 @@ def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mod
 
 def record(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mode: str, lanes: int,
            overlap: bool = False, variable_seq_lengths: bool = False, tensor_bytes: int = DEFAULT_TENSOR_BYTES,
-           eager_threshold: int = 0) -> Program:
+           eager_threshold: Optional[int] = None) -> Program:
     """The program megatron-core's real `schedule` ("1f1b": forward_backward_pipelining_
     without_interleaving, "interleaved": forward_backward_pipelining_with_interleaving) makes
     on `pp` ranks through P2PCommunicator in `mode` over `lanes` lanes, for one training step
-    of `microbatches`; activations are tensor_bytes of float32. Needs megatron-core
-    (ImportError otherwise); ValueError names a bad argument or a configuration megatron-core
-    refuses."""
+    of `microbatches`; activations are tensor_bytes of float32; eager_threshold defaults as in
+    schedules.generate. Needs megatron-core (ImportError otherwise); ValueError names a bad
+    argument or a configuration megatron-core refuses."""
+    if eager_threshold is None:
+        eager_threshold = p2p_communication.HEADER_BYTES if variable_seq_lengths else 0
     calls = record_calls(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, overlap=overlap,
                          variable_seq_lengths=variable_seq_lengths, tensor_bytes=tensor_bytes)
     builder = ProgramBuilder(pp, lanes, eager_threshold)

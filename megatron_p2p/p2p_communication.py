@@ -41,6 +41,13 @@ MODES = ("parity", "batched")
 # Shape header of the variable-sequence-length exchange: ndim, up to _MAX_DIMS sizes, dtype code.
 _MAX_DIMS = 6
 _HEADER_WORDS = _MAX_DIMS + 2
+# The shape round's message. Like megatron-core's own shape exchange, the round needs its sends
+# buffered (complete before their receives are posted): a step's ops complete together, so a
+# wait on a header receive is a wait on the header sends grouped with it, and without buffering
+# the interleaved schedule deadlocks (python -m megatron_p2p.check --schedule interleaved
+# --variable-seq-lengths --eager 0 ... shows the cycle). NCCL buffers messages this small in
+# practice, without promising it; an shm communicator made here is told to.
+HEADER_BYTES = _HEADER_WORDS * 8
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
@@ -174,8 +181,9 @@ class P2PCommunicator:
         self.pp_group = pp_group
         self.config = config
         ranks = group_ranks(pp_group)
+        variable = bool(getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False))
         if comm is None:
-            comm = self._find_or_create(pp_group, ranks, backend, timeout, lanes)
+            comm = self._find_or_create(pp_group, ranks, backend, timeout, lanes, HEADER_BYTES if variable else 0)
         elif tuple(comm.ranks) != ranks:
             raise ValueError(f"comm spans global ranks {list(comm.ranks)}, pp_group spans {list(ranks)}")
         if mode is None:
@@ -192,11 +200,11 @@ class P2PCommunicator:
         self._size = len(ranks)
         self._call = "_communicate"  # the megatron-core method being served, named in reports
         self._cuda = comm.backend != "shm"
-        if comm.lanes == 1 and getattr(config, "variable_seq_lengths", False) and \
-                (self.virtual_pipeline_model_parallel_size or 1) > 1:
-            logger.warning("megatron-core's interleaved schedule with variable_seq_lengths can deadlock on one lane "
-                           "whatever the order (python -m megatron_p2p.check --schedule interleaved --lanes 1 "
-                           "--variable-seq-lengths --pp N --microbatches N shows the cycle); use lanes=2")
+        if variable and comm.backend == "shm" and comm.eager_threshold < HEADER_BYTES:
+            logger.warning("variable_seq_lengths on a communicator with eager_threshold %d: megatron-core's schedules "
+                           "can deadlock unless the %d-byte shape headers are buffered (python -m megatron_p2p.check "
+                           "--schedule interleaved --variable-seq-lengths --eager 0 --pp N shows the cycle); create "
+                           "it with eager_threshold=%d", comm.eager_threshold, HEADER_BYTES, HEADER_BYTES)
         logger.debug("P2PCommunicator: global rank %d, stage %d of %d (ranks %s), mode %s, backend %s, %d lane(s)",
                     ranks[me], me, len(ranks), list(ranks), mode, comm.backend, comm.lanes)
 
@@ -207,12 +215,14 @@ class P2PCommunicator:
         backend: Optional[str],
         timeout: Optional[float],
         lanes: Optional[int],
+        eager_threshold: int,
     ) -> _C.Communicator:
         comm = find_communicator(ranks)
         if comm is None:
             logger.info("creating a %s communicator over global ranks %s", backend or "shm", list(ranks))
             comm = init_communicator(pp_group, backend or "shm", 300.0 if timeout is None else timeout,
-                                     lanes=2 if lanes is None else lanes)
+                                     lanes=2 if lanes is None else lanes,
+                                     eager_threshold=eager_threshold if (backend or "shm") == "shm" else 0)
             return register_communicator(comm)
         wanted = {"backend": backend, "timeout": timeout, "lanes": lanes}
         clash = {k: (v, getattr(comm, k)) for k, v in wanted.items() if v is not None and v != getattr(comm, k)}

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Sequence
 
-from .p2p_communication import _HEADER_WORDS, HEADER_CALL, HEADER_MODE
+from .p2p_communication import _HEADER_WORDS, HEADER_BYTES, HEADER_CALL, HEADER_MODE
 from .program import Program, ProgramBuilder
 
 SCHEDULES = ("1f1b", "interleaved")
@@ -40,7 +40,7 @@ SENDS = ("send_next", "send_prev")
 RECVS = ("recv_prev", "recv_next")
 DEFAULT_TENSOR_BYTES = 4096
 SHAPE_ROUND = HEADER_CALL
-HEADER = (_HEADER_WORDS * 8, "int64")  # the shape round's message: int64 words
+HEADER = (HEADER_BYTES, "int64")  # the shape round's message: int64 words
 
 # One call of a rank, ready for ProgramBuilder.exchange:
 # [name, send_next, recv_prev, send_prev, recv_next, wait, awaits]
@@ -386,14 +386,19 @@ def emit(builder: ProgramBuilder, rank: int, calls: Sequence[RankCall], mode: st
 
 
 def generate(schedule: str, pp: int, *, vpp: int = 1, microbatches: Optional[int] = None, mode: str = "parity",
-             lanes: int = 2, overlap: bool = False, variable_seq_lengths: bool = False, eager_threshold: int = 0,
-             tensor_bytes: int = DEFAULT_TENSOR_BYTES, dtype: str = "float32") -> Program:
+             lanes: int = 2, overlap: bool = False, variable_seq_lengths: bool = False,
+             eager_threshold: Optional[int] = None, tensor_bytes: int = DEFAULT_TENSOR_BYTES,
+             dtype: str = "float32") -> Program:
     """The program of megatron-core's `schedule` ("1f1b" or "interleaved") on `pp` ranks,
-    driving P2PCommunicator in `mode` over `lanes` lanes; microbatches defaults to 2 * pp.
-    Activations and gradients are tensor_bytes of dtype. ValueError names a bad argument,
-    or says why megatron-core itself refuses the configuration."""
+    driving P2PCommunicator in `mode` over `lanes` lanes; microbatches defaults to 2 * pp, and
+    eager_threshold to what P2PCommunicator gives the communicator it creates (its shape
+    headers' size with variable_seq_lengths, else 0). Activations and gradients are tensor_bytes
+    of dtype. ValueError names a bad argument, or says why megatron-core itself refuses the
+    configuration."""
     if microbatches is None:
         microbatches = 2 * pp
+    if eager_threshold is None:
+        eager_threshold = HEADER_BYTES if variable_seq_lengths else 0
     _check(schedule, pp, vpp, microbatches, mode, lanes, overlap, eager_threshold, tensor_bytes, dtype)
     program = _built(schedule, pp, vpp, microbatches, mode, bool(overlap), bool(variable_seq_lengths),
                      eager_threshold, tensor_bytes, dtype)

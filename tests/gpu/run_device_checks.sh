@@ -1,24 +1,58 @@
 #!/usr/bin/env bash
-# The GPU checks, in one call on a lent GPU machine (torch with CUDA already installed there):
-# builds the extension in place, runs tests/gpu and the self-loop benchmark. Under 8 minutes.
-# Results land in $OUT (or ./gpu-results) when given.
+# The GPU checks, in one call on a lent GPU machine (torch with CUDA already installed there;
+# nothing is installed): builds the extension in place, then runs, each under its own limit and
+# whatever the others did:
+#   gpu_checks      tests/gpu/gpu_checks.py (pytest when present), one rank exchanging with itself
+#   two_process     tests/gpu/two_process_checks.py: two processes on one GPU where NCCL allows
+#                   it, else the self-loop: exact bytes, 1F1B, debug matching and its cost,
+#                   CUDA graphs, the watchdog (raise, and ending the job with status 70)
+#   gpu_selfloop    benchmarks/gpu_selfloop.py: megatron_p2p against torch's batch_isend_irecv
+# Prints PASS/FAIL with the time of each step, and exits nonzero if any failed. The limits add
+# up to 470 s, under the 8 minutes allowed. Results and logs land in $OUT (or ./gpu-results).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+status=0
+summary=()
+
+# step NAME LIMIT_SECONDS COMMAND...: runs it with a limit, logs to $OUT/NAME.log, notes PASS/FAIL
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit} s) ==="
+    local start=$SECONDS
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    local took=$((SECONDS - start))
+    local verdict=PASS
+    if [ "$rc" -ne 0 ]; then
+        verdict="FAIL (exit $rc$([ "$rc" -eq 124 ] && echo ', past its limit'))"
+        status=1
+    fi
+    echo "=== $verdict $name (${took} s) ==="
+    summary+=("$verdict $name (${took} s)")
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-"$PY" setup.py --quiet build_ext --inplace --build-temp build/gpu-temp || exit 1
-status=0
+step build 90 "$PY" setup.py --quiet build_ext --inplace --build-temp build/gpu-temp
+if [ "$status" -ne 0 ]; then
+    echo "the extension did not build: nothing else can run"
+    exit 1
+fi
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
-        2>&1 | tee "$OUT/gpu_tests.log" || status=1
+    step gpu_checks 120 "$PY" -m pytest -v -p no:cacheprovider --durations=0 tests/gpu/test_gpu_nccl.py
 else
     echo "pytest is not installed here: running the checks directly"
-    timeout 300 "$PY" tests/gpu/gpu_checks.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+    step gpu_checks 120 "$PY" tests/gpu/gpu_checks.py
 fi
-timeout 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_selfloop.py \
-    --out "$OUT/gpu_selfloop.json" 2>&1 | tee "$OUT/gpu_selfloop.log" || status=1
+step two_process 170 "$PY" tests/gpu/two_process_checks.py --out "$OUT" --budget 160
+step gpu_selfloop 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_selfloop.py \
+    --out "$OUT/gpu_selfloop.json"
+
+echo "=== summary (${SECONDS} s in all) ==="
+printf '%s\n' "${summary[@]}"
 exit $status

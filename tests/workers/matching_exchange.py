@@ -12,8 +12,10 @@ params (all from tests/test_matching.py):
     process_group: call dist.init_process_group("gloo") first
     subgroups / subgroup_suite: global-rank groups, created with dist.new_group on every rank in
         the same order; each rank also runs subgroup_suite over the group holding it
+    partitions: [{"groups": [...], "suite": ...}]: more such sets of groups, one after the other
     expect_single_copy: True/False: asserted for comm.single_copy(comm.next_rank); None: not asserted
-Returns {"world": suite result, "subgroup": suite result or None}.
+    backend: "shm" (the default) or "nccl", the NCCL backend over the fake libraries
+Returns {"world": suite result, "subgroup": suite result or None, "partitions": [suite result]}.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 from collections import defaultdict
 
 import harness
+from nccl_model_backend import Backend
 
 FWD, BWD = 0, 1
 DIRS = ("fwd", "bwd")
@@ -165,10 +168,10 @@ class Checker:
         }
 
 
-def wait_all(reqs, where):
+def wait_all(reqs, where, backend):
     for name, r in reqs:
         try:
-            r.wait()
+            backend.settle(r)
         except BaseException as exc:
             exc.add_note(f"while waiting for {name} in {where}")
             raise
@@ -177,9 +180,10 @@ def wait_all(reqs, where):
 class Runner:
     """Drives one communicator through exchanges that every rank of its group issues alike."""
 
-    def __init__(self, torch, comm, chk, seqs):
+    def __init__(self, torch, comm, chk, seqs, backend):
         self.torch = torch
         self.comm = comm
+        self.backend = backend
         self.chk = chk
         self.seqs = seqs  # (is_send, peer, lane) -> next expected request seq
         self.number = 0  # exchange number: equal on every rank, carried in the header
@@ -222,7 +226,7 @@ class Runner:
                 tensors[slot] = chk.message(me, BWD, number, dtype, numel, fresh=fresh)
             else:
                 tensors[slot] = chk.recv_buffer(slot, dtype, numel, fresh=fresh)
-        reqs = comm.exchange(mode=mode, **tensors)
+        reqs = comm.exchange(mode=mode, **{slot: self.backend.tensor(t) for slot, t in tensors.items()})
         if set(reqs) != set(tensors):
             chk.fail(config, group, where, f"exchange returned requests {sorted(reqs)} for posted ops {sorted(tensors)}")
         peer = {"send_next": comm.next_rank, "recv_next": comm.next_rank,
@@ -245,7 +249,7 @@ class Runner:
 
     def exchange(self, config, topo, mode, kind, fwd, bwd, group, where):
         number, tensors, reqs = self.post_exchange(config, group, topo, mode, kind, fwd, bwd, where)
-        wait_all(list(reqs.items()), where)
+        wait_all(list(reqs.items()), where, self.backend)
         self.check_exchange(config, group, where, number, tensors)
 
     # ---- torch.distributed-style ops -----------------------------------------------------
@@ -264,24 +268,24 @@ class Runner:
                 continue
             if slot == "send_next":
                 t = chk.message(me, FWD, number, dtype, numel)
-                r = comm.isend(t, comm.next_rank)
+                r = comm.isend(self.backend.tensor(t), comm.next_rank)
                 peer, send = comm.next_rank, True
             elif slot == "send_prev":
                 t = chk.message(me, BWD, number, dtype, numel)
-                r = comm.isend(t, comm.prev_rank)
+                r = comm.isend(self.backend.tensor(t), comm.prev_rank)
                 peer, send = comm.prev_rank, True
             elif slot == "recv_prev":
                 t = chk.recv_buffer(slot, dtype, numel)
-                r = comm.irecv(t, comm.prev_rank)
+                r = comm.irecv(self.backend.tensor(t), comm.prev_rank)
                 peer, send = comm.prev_rank, False
             else:
                 t = chk.recv_buffer(slot, dtype, numel)
-                r = comm.irecv(t, comm.next_rank)
+                r = comm.irecv(self.backend.tensor(t), comm.next_rank)
                 peer, send = comm.next_rank, False
             chk.check_request(config, "isend", where, slot, r, peer, 0, t.numel() * t.element_size(), self.seqs, send)
             tensors[slot] = t
             reqs.append((slot, r))
-        wait_all(reqs, where)
+        wait_all(reqs, where, self.backend)
         self.check_exchange(config, "isend", where, number, tensors)
 
     def batch_ring(self, config, dtype, numel, where, flip):
@@ -302,14 +306,16 @@ class Runner:
         peer = {"send_next": comm.next_rank, "recv_prev": comm.prev_rank,
                 "send_prev": comm.prev_rank, "recv_next": comm.next_rank}
         order = ("recv_prev", "recv_next", "send_next", "send_prev") if flip else SLOTS
-        ops = [mp.P2POp(mp.isend if s.startswith("send") else mp.irecv, tensors[s], peer[s], comm=comm) for s in order]
+        on = self.backend.tensor
+        ops = [mp.P2POp(mp.isend if s.startswith("send") else mp.irecv, on(tensors[s]), peer[s], comm=comm)
+               for s in order]
         reqs = mp.batch_isend_irecv(ops)
         if len(reqs) != 4:
             chk.fail(config, "batch", where, f"batch_isend_irecv returned {len(reqs)} requests for 4 ops")
         for s, r in zip(order, reqs):
             t = tensors[s]
             chk.check_request(config, "batch", where, s, r, peer[s], 0, t.numel() * t.element_size(), self.seqs, s.startswith("send"))
-        wait_all(list(zip(order, reqs)), where)
+        wait_all(list(zip(order, reqs)), where, self.backend)
         self.check_exchange(config, "batch", where, number, tensors)
 
 
@@ -326,7 +332,7 @@ def error_text(exc):
     return " | ".join([*lines[:4], *getattr(exc, "__notes__", [])])
 
 
-def run_suite(torch, mp, group, suite, expect_single_copy):
+def run_suite(torch, mp, group, suite, expect_single_copy, backend):
     """Runs the suite over one group and returns what the test asserts on. Every section gets a
     communicator of its own (created by every rank in the same order), so an error in one is
     reported against it and the next still runs.
@@ -347,7 +353,8 @@ def run_suite(torch, mp, group, suite, expect_single_copy):
     def section(config, lanes, fn):
         comm = None
         try:
-            comm = mp.init_communicator(group=group, timeout=suite.get("timeout", 20.0), lanes=lanes)
+            comm = mp.init_communicator(group=group, backend=backend.name, timeout=suite.get("timeout", 20.0),
+                                        lanes=lanes)
             out["neighbours"].setdefault(str(lanes), {
                 "rank": comm.rank, "global_rank": comm.global_rank, "size": comm.size, "ranks": list(comm.ranks),
                 "prev": comm.prev_rank, "next": comm.next_rank, "lanes": comm.lanes,
@@ -357,7 +364,7 @@ def run_suite(torch, mp, group, suite, expect_single_copy):
             if expect_single_copy is not None:
                 assert sc["next"] is expect_single_copy, (
                     f"comm.single_copy(next rank {comm.next_rank}) is {sc['next']}, expected {expect_single_copy}")
-            fn(Runner(torch, comm, chk, defaultdict(int)))
+            fn(Runner(torch, comm, chk, defaultdict(int), backend))
         except mp.P2PError as exc:  # reported against this section; the next gets a new communicator
             out["errors"][config] = error_text(exc)
             chk.fail(config, "error", config, error_text(exc))
@@ -401,7 +408,7 @@ def run_suite(torch, mp, group, suite, expect_single_copy):
                                                                  fresh=True)
                     posted.append((where, number, tensors, reqs))
                 for where, number, tensors, reqs in posted:
-                    wait_all(list(reqs.items()), where)
+                    wait_all(list(reqs.items()), where, run.backend)
                 for where, number, tensors, reqs in posted:
                     run.check_exchange(config, "inflight", where, number, tensors)
 
@@ -434,29 +441,47 @@ def run_suite(torch, mp, group, suite, expect_single_copy):
     return out
 
 
-def body(params):
+def run_partition(torch, mp, dist, groups, suite, expect_single_copy, backend):
+    """Runs `suite` over the one of `groups` (lists of global ranks) that holds this rank."""
+    me = dist.get_rank()
+    made = [dist.new_group(ranks) for ranks in groups]  # every rank, same order
+    mine = [g for g, ranks in zip(made, groups) if me in ranks]
+    assert len(mine) == 1, f"rank {me} is in {len(mine)} of the groups {groups}"
+    return run_suite(torch, mp, mine[0], suite, expect_single_copy, backend)
+
+
+def run_all(params, backend):
+    """Every suite of `params` (see the module's docstring), once the process group, if any, exists."""
     import torch
     import torch.distributed as dist
 
     import megatron_p2p as mp
 
-    if params.get("process_group"):
-        dist.init_process_group("gloo")
     # A first, generous communicator waits for every rank to have started (importing torch on a
     # loaded machine can take long), so the sections' short timeouts measure only the library.
     mp.init_communicator(timeout=120.0).close()
+    expect = params.get("expect_single_copy")
+    result = {"world": run_suite(torch, mp, None, params["suite"], expect, backend), "subgroup": None}
+    if params.get("subgroups"):
+        result["subgroup"] = run_partition(torch, mp, dist, params["subgroups"], params["subgroup_suite"], expect,
+                                           backend)
+    result["partitions"] = [run_partition(torch, mp, dist, p["groups"], p["suite"], expect, backend)
+                            for p in params.get("partitions", [])]
+    return result
+
+
+def body(params):
+    backend = Backend(params.get("backend", "shm"))
+    import torch.distributed as dist
+
+    if params.get("process_group"):
+        dist.init_process_group("gloo")
     try:
-        result = {"world": run_suite(torch, mp, None, params["suite"], params.get("expect_single_copy")), "subgroup": None}
-        if params.get("subgroups"):
-            me = dist.get_rank()
-            groups = [dist.new_group(ranks) for ranks in params["subgroups"]]  # every rank, same order
-            mine = [g for g, ranks in zip(groups, params["subgroups"]) if me in ranks]
-            assert len(mine) == 1, f"rank {me} is in {len(mine)} of the groups {params['subgroups']}"
-            result["subgroup"] = run_suite(torch, mp, mine[0], params["subgroup_suite"], params.get("expect_single_copy"))
-        return result
+        return run_all(params, backend)
     finally:
         if params.get("process_group"):
             dist.destroy_process_group()
 
 
-harness.run(body)
+if __name__ == "__main__":
+    harness.run(body)

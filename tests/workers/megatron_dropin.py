@@ -15,7 +15,13 @@ Sections: methods (the nine methods, compared), pp2 (2-rank groups: batched pair
 exchange pairing, dtype disagreement), modes (what the shape exchange issues), cuda_only
 (batch_p2p_sync and NVTX only when CUDA is in use), overlap_1f1b, logging, registry, ops,
 legacy, schedules (megatron-core's real schedules, stock against swapped).
-params: timeout, microbatches, hidden."""
+params: timeout, microbatches, hidden, only (sections), schedule_names, backend.
+
+backend "nccl" runs ours on the NCCL backend over the fake libraries (nccl_model_backend.py),
+in the sections that compare ours with megatron-core or with the one-process run: methods,
+pp2, overlap_1f1b, and schedules without "stock" (megatron-core over gloo, which no backend
+of ours changes), patch_megatron (it builds its own communicator, fed CPU tensors) and the
+naive order (NCCL has no deadlock detector: it would wait out its timeout)."""
 import contextlib
 import datetime
 import logging
@@ -23,8 +29,10 @@ import time
 import traceback
 
 import harness
+from nccl_model_backend import Backend
 
 COUNTS = {"synchronize": 0, "nvtx_push": 0, "nvtx_pop": 0}
+NCCL_SECTIONS = ("methods", "pp2", "overlap_1f1b", "schedules")
 
 
 def install_shim(torch):
@@ -111,6 +119,20 @@ def guarded(fn, *args):
         return {"ok": True, "value": fn(*args)}
     except Exception as exc:
         return {"ok": False, "error_type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()}
+
+
+def our_comm(ctx, group):
+    """A megatron_p2p communicator over `group`, on the job's backend; on shm with the shape
+    headers buffered, as P2PCommunicator makes its own (NCCL buffers them itself)."""
+    mp = ctx["mp"]
+    buffered = {"eager_threshold": mp.p2p_communication.HEADER_BYTES} if ctx["backend"].name == "shm" else {}
+    return mp.init_communicator(group, ctx["backend"].name, timeout=ctx["timeout"], **buffered)
+
+
+def ours(ctx, group, cfg, comm):
+    """Our P2PCommunicator over `comm`. Run its calls inside ctx["on_our_device"](): on NCCL it
+    allocates its receive buffers on the CUDA device, which the CPU shim turns into the CPU."""
+    return ctx["mp"].P2PCommunicator(group, cfg, comm=ctx["backend"].comm(comm))
 
 
 def payload(torch, shape, rank, call, kind, dtype=None):
@@ -231,19 +253,18 @@ def section_methods(ctx):
             with ctx["cuda_to_cpu"]():
                 mc = method_script(torch, stock, ctx["rank"], 4, variable, overlap_ok=not batch)
             dist.barrier()
-            with mp.init_communicator(world, timeout=ctx["timeout"]) as comm:
+            with our_comm(ctx, world) as comm, ctx["on_our_device"]():
                 # batch_p2p_sync off here: not needed for the same results.
-                ours_p2p = mp.P2PCommunicator(world, config_for(torch, ctx["MPC"], batch, variable, sync=False),
-                                              comm=comm)
-                ours = method_script(torch, ours_p2p, ctx["rank"], 4, variable, overlap_ok=not batch)
-            out[name] = {"megatron": mc, "ours": ours}
+                ours_p2p = ours(ctx, world, config_for(torch, ctx["MPC"], batch, variable, sync=False), comm)
+                mine = method_script(torch, ours_p2p, ctx["rank"], 4, variable, overlap_ok=not batch)
+            out[name] = {"megatron": mc, "ours": mine}
     # Attributes and properties, read from both.
     attrs = ("next_rank", "prev_rank", "virtual_pipeline_model_parallel_size", "is_pp_first_stage",
              "is_pp_last_stage", "total_stages", "current_stage")
     cfg = config_for(torch, ctx["MPC"], True, False)
     cfg.virtual_pipeline_model_parallel_size = 2
-    with mp.init_communicator(world, timeout=ctx["timeout"]) as comm:
-        both = {"megatron": ctx["McoreP2P"](world, cfg), "ours": mp.P2PCommunicator(world, cfg, comm=comm)}
+    with our_comm(ctx, world) as comm:
+        both = {"megatron": ctx["McoreP2P"](world, cfg), "ours": ours(ctx, world, cfg, comm)}
         out["attributes"] = {k: {a: getattr(v, a) for a in attrs} for k, v in both.items()}
         for k, v in both.items():
             out["attributes"][k]["same pp_group and config"] = v.pp_group is world and v.config is cfg
@@ -277,19 +298,18 @@ def section_pp2(ctx):
     cfg = config_for(torch, ctx["MPC"], batch=True, variable=False)
     with ctx["cuda_to_cpu"]():
         out["batched megatron"] = guarded(both_ways, ctx["McoreP2P"](group, cfg), S, S)
-    with mp.init_communicator(group, timeout=ctx["timeout"]) as comm:
-        out["batched ours"] = guarded(both_ways, mp.P2PCommunicator(group, cfg, comm=comm), S, S)
+    with our_comm(ctx, group) as comm, ctx["on_our_device"]():
+        out["batched ours"] = guarded(both_ways, ours(ctx, group, cfg, comm), S, S)
     # Shape exchange, parity data path: shapes with equal byte counts, so nothing can hang.
     act_shape, grad_shape = (3, 2, 4), (4, 2, 3)
     cfg = config_for(torch, ctx["MPC"], batch=False, variable=True)
     with ctx["cuda_to_cpu"]():
         out["shapes megatron"] = guarded(both_ways, ctx["McoreP2P"](group, cfg), act_shape, grad_shape)
-    with mp.init_communicator(group, timeout=ctx["timeout"]) as comm:
-        out["shapes ours"] = guarded(both_ways, mp.P2PCommunicator(group, cfg, comm=comm), act_shape, grad_shape)
+    with our_comm(ctx, group) as comm, ctx["on_our_device"]():
+        out["shapes ours"] = guarded(both_ways, ours(ctx, group, cfg, comm), act_shape, grad_shape)
         # ... and in batched mode.
         cfg_b = config_for(torch, ctx["MPC"], batch=True, variable=True)
-        out["shapes ours batched"] = guarded(both_ways, mp.P2PCommunicator(group, cfg_b, comm=comm), act_shape,
-                                             grad_shape)
+        out["shapes ours batched"] = guarded(both_ways, ours(ctx, group, cfg_b, comm), act_shape, grad_shape)
 
     # dtype disagreement: stage 0 sends float16, stage 1 expects bfloat16 (same byte count).
     def dtypes(p2p, send_dtype):
@@ -305,18 +325,18 @@ def section_pp2(ctx):
                          pipeline_dtype=torch.float16 if me == 0 else recv_dtype)
         with ctx["cuda_to_cpu"]():
             out[f"dtype {case} megatron"] = guarded(dtypes, ctx["McoreP2P"](group, cfg), torch.float16)
-        with mp.init_communicator(group, timeout=ctx["timeout"]) as comm:
-            p2p = mp.P2PCommunicator(group, cfg, comm=comm)
+        with our_comm(ctx, group) as comm, ctx["on_our_device"]():
+            p2p = ours(ctx, group, cfg, comm)
             out[f"dtype {case} ours"] = guarded(dtypes, p2p, torch.float16)
             # The communicator stays usable after the report.
             out[f"dtype {case} ours after"] = guarded(
-                lambda: dtypes(mp.P2PCommunicator(group, config_for(torch, ctx["MPC"], False, True,
-                                                                    pipeline_dtype=torch.float16), comm=comm),
+                lambda: dtypes(ours(ctx, group, config_for(torch, ctx["MPC"], False, True,
+                                                           pipeline_dtype=torch.float16), comm),
                                torch.float16))
     # One rank with variable_seq_lengths, the other without.
     cfg = config_for(torch, ctx["MPC"], batch=False, variable=(me == 0))
-    with mp.init_communicator(group, timeout=ctx["timeout"]) as comm:
-        out["setting mismatch ours"] = guarded(dtypes, mp.P2PCommunicator(group, cfg, comm=comm), torch.float32)
+    with our_comm(ctx, group) as comm, ctx["on_our_device"]():
+        out["setting mismatch ours"] = guarded(dtypes, ours(ctx, group, cfg, comm), torch.float32)
     return out
 
 
@@ -407,8 +427,8 @@ def section_overlap_1f1b(ctx):
     out = {}
     for batch in (False, True):
         cfg = config_for(torch, ctx["MPC"], batch=batch, variable=False)
-        with mp.init_communicator(world, timeout=ctx["timeout"]) as comm:
-            p2p = mp.P2PCommunicator(world, cfg, comm=comm)
+        with our_comm(ctx, world) as comm, ctx["on_our_device"]():
+            p2p = ours(ctx, world, cfg, comm)
             records = []
             for rnd in range(2):
                 fwd, bwd = payload(torch, S, rank, rnd, 5), payload(torch, S, rank, rnd, 6)
@@ -653,7 +673,7 @@ def run_schedule(ctx, kind, pp_ranks, vpp, batch, variable, overlap, how):
     if how != "patched":
         kwargs["pg_collection"] = ProcessGroupCollection(tp=ctx["self_group"], cp=ctx["self_group"])
         if how == "swapped":
-            kwargs["p2p_communicator"] = mp.P2PCommunicator(pp_group, cfg, comm=ctx["comms"][tuple(pp_ranks)])
+            kwargs["p2p_communicator"] = ours(ctx, pp_group, cfg, ctx["comms"][tuple(pp_ranks)])
         else:
             kwargs["p2p_communicator"] = ctx["McoreP2P"](pp_group, cfg)
     fn = (schedules.forward_backward_pipelining_with_interleaving if kind == "interleaved"
@@ -685,22 +705,50 @@ SCHEDULES = [
 ]
 
 
+def open_schedule_comms(ctx):
+    """Our communicators for the schedules: over the 4 ranks, and over this rank's pair."""
+    pair = (0, 1) if ctx["rank"] < 2 else (2, 3)
+    ctx["comms"] = {(0, 1, 2, 3): our_comm(ctx, ctx["world_group"]),
+                    pair: our_comm(ctx, ctx["pairs"][ctx["rank"] // 2])}
+
+
+def close_schedule_comms(ctx):
+    for comm in ctx.pop("comms").values():
+        comm.close()
+
+
+def failed_anywhere(ctx, res):
+    """Whether a run of `res` failed on any rank (collective)."""
+    torch, dist = ctx["torch"], ctx["dist"]
+    flag = torch.tensor([0 if all(r["ok"] for r in res.values()) else 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)
+
+
 def section_schedules(ctx):
     out = {}
     rank = ctx["rank"]
-    for name, kind, pipelines, vpp, batch, variable, overlap, stock in SCHEDULES:
-        if ctx["schedule_names"] and name not in ctx["schedule_names"]:
-            continue
-        pp_ranks = next(p for p in pipelines if rank in p)
-        res = {"reference": guarded(reference_run, ctx, pp_ranks, vpp, variable)}
-        for how in ("stock", "swapped") if stock else ("swapped",):
-            res[how] = guarded(run_schedule, ctx, kind, pp_ranks, vpp, batch, variable, overlap, how)
-            if not res[how]["ok"]:  # the others may wait in the schedule: say why in the job's output
-                print(f"rank {rank}: {name} {how} failed:\n{res[how]['traceback']}", flush=True)
-            ctx["dist"].barrier()
-        out[name] = res
-    out["patch_megatron"] = guarded(patched_run, ctx)
-    out["naive_order"] = naive_order_run(ctx)
+    open_schedule_comms(ctx)
+    try:
+        for name, kind, pipelines, vpp, batch, variable, overlap, stock in SCHEDULES:
+            if ctx["schedule_names"] and name not in ctx["schedule_names"]:
+                continue
+            pp_ranks = next(p for p in pipelines if rank in p)
+            res = {"reference": guarded(reference_run, ctx, pp_ranks, vpp, variable)}
+            for how in ("stock", "swapped") if stock and not ctx["backend"].nccl else ("swapped",):
+                res[how] = guarded(run_schedule, ctx, kind, pp_ranks, vpp, batch, variable, overlap, how)
+                if not res[how]["ok"]:  # the others may wait in the schedule: say why in the job's output
+                    print(f"rank {rank}: {name} {how} failed:\n{res[how]['traceback']}", flush=True)
+                ctx["dist"].barrier()
+            out[name] = res
+            if failed_anywhere(ctx, res):  # its communicators may be aborted: the next run gets new ones
+                close_schedule_comms(ctx)
+                open_schedule_comms(ctx)
+        if not ctx["backend"].nccl:
+            out["patch_megatron"] = guarded(patched_run, ctx)
+            out["naive_order"] = naive_order_run(ctx)
+    finally:
+        close_schedule_comms(ctx)
     return out
 
 
@@ -782,21 +830,32 @@ def patched_run(ctx):
     return out
 
 
-def body(params):
+_PREPARED = {}
+
+
+def prepare():
+    """The CPU shim and the imports: before the process group, so slow imports on a loaded
+    machine do not eat into the first collective's timeout. Returns the shim's TorchFunctionMode."""
+    if "mode" not in _PREPARED:
+        import torch
+
+        _PREPARED["mode"] = install_shim(torch)
+        import megatron_p2p  # noqa: F401
+        from megatron.core.pipeline_parallel import schedules  # noqa: F401
+    return _PREPARED["mode"]
+
+
+def run_all(params, backend, seconds=None):
+    """Every section of params["only"] (all by default), once the process group exists."""
     t0 = time.monotonic()
     import torch
     import torch.distributed as dist
 
-    CudaToCpu = install_shim(torch)
-    # Imported before the process group, so slow imports on a loaded machine do not eat into
-    # the first collective's timeout.
     import megatron_p2p as mp
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator as McoreP2P
-    from megatron.core.pipeline_parallel import schedules  # noqa: F401
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=params["timeout"] * 2))
-
+    CudaToCpu = prepare()
     rank = dist.get_rank()
     world_group = dist.new_group([0, 1, 2, 3])
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -806,34 +865,41 @@ def body(params):
            "world_group": world_group, "pairs": pairs, "self_group": selves[rank],
            "groups": {(0, 1, 2, 3): world_group, (0, 1): pairs[0], (2, 3): pairs[1]},
            "hidden": params["hidden"], "microbatches": params["microbatches"],
-           "schedule_names": params.get("schedule_names")}
+           "schedule_names": params.get("schedule_names"), "backend": backend,
+           "on_our_device": CudaToCpu if backend.nccl else contextlib.nullcontext}
     sections = [("methods", section_methods), ("pp2", section_pp2), ("modes", section_modes),
                 ("cuda_only", section_cuda_only), ("overlap_1f1b", section_overlap_1f1b),
                 ("logging", section_logging), ("registry", section_registry), ("ops", section_ops),
                 ("legacy", section_legacy)]
-    only = params.get("only")
+    only = params.get("only") or [name for name, _ in sections] + ["schedules"]
+    if backend.nccl:
+        only = [name for name in only if name in NCCL_SECTIONS]
     results = {}
-    seconds = {"setup": time.monotonic() - t0}
+    seconds = {**(seconds or {}), "groups": time.monotonic() - t0}
     for name, fn in sections:
-        if only and name not in only:
+        if name not in only:
             continue
         t = time.monotonic()
         results[name] = guarded(fn, ctx)
         dist.barrier()
         seconds[name] = time.monotonic() - t
-    if not only or "schedules" in only:
-        with contextlib.ExitStack() as stack:
-            ctx["comms"] = {
-                (0, 1, 2, 3): stack.enter_context(mp.init_communicator(world_group, timeout=params["timeout"])),
-                (0, 1): None, (2, 3): None,
-            }
-            pair = (0, 1) if rank < 2 else (2, 3)
-            ctx["comms"][pair] = stack.enter_context(mp.init_communicator(pairs[rank // 2], timeout=params["timeout"]))
-            t = time.monotonic()
-            results["schedules"] = guarded(section_schedules, ctx)
-            seconds["schedules"] = time.monotonic() - t
+    if "schedules" in only:
+        t = time.monotonic()
+        results["schedules"] = guarded(section_schedules, ctx)
+        seconds["schedules"] = time.monotonic() - t
     results["seconds"] = seconds
     return results
 
 
-harness.run(body)
+def body(params):
+    backend = Backend(params.get("backend", "shm"))  # first: the shim then replaces its torch.cuda stand-ins
+    t0 = time.monotonic()
+    prepare()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=params["timeout"] * 2))
+    return run_all(params, backend, {"setup": time.monotonic() - t0})
+
+
+if __name__ == "__main__":
+    harness.run(body)

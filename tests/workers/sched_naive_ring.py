@@ -7,23 +7,28 @@ The same program runs twice, each time on a new communicator:
 - "strict": strict rendezvous, so no rank's irecv is ever posted and every wait must raise
   P2PTimeoutError within the timeout instead of hanging.
 
-params: numel (float32 elements per message), eager_threshold (for "buffered"), timeout."""
+On backend "nccl" (the NCCL backend over the fake libraries) only "strict" runs: NCCL has no
+eager threshold to set, and no runtime deadlock detector, so the wait must end at the timeout.
+
+params: numel (float32 elements per message), eager_threshold (for "buffered"), timeout, backend
+("shm", the default, or "nccl")."""
 import time
 
 import harness
+from nccl_model_backend import Backend
 
 
-def naive_ring(torch, mp, comm, numel):
+def naive_ring(torch, mp, comm, numel, backend):
     send = torch.full((numel,), float(comm.rank), dtype=torch.float32)
     recv = torch.full((numel,), -1.0, dtype=torch.float32)
     out = {"next": comm.next_rank, "prev": comm.prev_rank, "nbytes": send.nbytes,
            "eager_threshold": comm.eager_threshold}
     start = time.monotonic()
     try:
-        s = comm.isend(send, comm.next_rank)
-        r = comm.irecv(recv, comm.prev_rank)
-        s.wait()
-        r.wait()
+        s = comm.isend(backend.tensor(send), comm.next_rank)
+        r = comm.irecv(backend.tensor(recv), comm.prev_rank)
+        backend.settle(s)
+        backend.settle(r)
     except Exception as exc:  # the test asserts on what was raised, and when
         out.update(error_type=type(exc).__name__, is_p2p_error=isinstance(exc, mp.P2PError),
                    is_timeout_error=isinstance(exc, TimeoutError), error=str(exc))
@@ -33,15 +38,18 @@ def naive_ring(torch, mp, comm, numel):
 
 
 def body(params):
+    backend = Backend(params.get("backend", "shm"))
     import torch
 
     import megatron_p2p as mp
 
     results = {}
-    for name, eager in (("buffered", params["eager_threshold"]), ("strict", 0)):
-        with mp.init_communicator(timeout=params["timeout"], eager_threshold=eager) as comm:
-            results[name] = naive_ring(torch, mp, comm, params["numel"])
+    runs = (("strict", 0),) if backend.nccl else (("buffered", params["eager_threshold"]), ("strict", 0))
+    for name, eager in runs:
+        with mp.init_communicator(backend=backend.name, timeout=params["timeout"], eager_threshold=eager) as comm:
+            results[name] = naive_ring(torch, mp, comm, params["numel"], backend)
     return results
 
 
-harness.run(body)
+if __name__ == "__main__":
+    harness.run(body)

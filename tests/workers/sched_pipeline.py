@@ -10,11 +10,13 @@ group ranks differ from global ranks) and run, in each mode and lane count:
 
 Every payload is checked element by element. Each run is recorded as "ok" or as the error it
 raised, so one failing configuration does not hide the others.
-params: iterations, small_numel, big_numel, big_iterations, microbatches, timeout."""
+params: iterations, small_numel, big_numel, big_iterations, microbatches, timeout, and backend
+("shm", the default, or "nccl": the NCCL backend over the fake libraries)."""
 import datetime
 import traceback
 
 import harness
+from nccl_model_backend import Backend
 
 CONFIGS = [(mode, lanes) for mode in ("parity", "batched") for lanes in (1, 2)]
 
@@ -35,7 +37,7 @@ def check(torch, got, numel, tag, what):
         )
 
 
-def ring(torch, comm, mode, params):
+def ring(torch, comm, mode, params, backend):
     """The four-op exchange with both neighbours, many times; returns the iterations run."""
     me, n = comm.rank, comm.size
     prev, nxt = (me - 1) % n, (me + 1) % n
@@ -47,17 +49,18 @@ def ring(torch, comm, mode, params):
         send_prev = payload(torch, numel, bwd_tag)
         recv_prev = torch.full((numel,), -1, dtype=torch.int64)
         recv_next = torch.full((numel,), -1, dtype=torch.int64)
-        reqs = comm.exchange(send_next=send_next, recv_prev=recv_prev, send_prev=send_prev, recv_next=recv_next,
-                             mode=mode)
+        on = backend.tensor
+        reqs = comm.exchange(send_next=on(send_next), recv_prev=on(recv_prev), send_prev=on(send_prev),
+                             recv_next=on(recv_next), mode=mode)
         assert sorted(reqs) == ["recv_next", "recv_prev", "send_next", "send_prev"], sorted(reqs)
         for r in reqs.values():
-            r.wait()
+            backend.settle(r)
         check(torch, recv_prev, numel, (prev * 1000 + it) * 2, f"iteration {it} recv_prev")
         check(torch, recv_next, numel, (nxt * 1000 + it) * 2 + 1, f"iteration {it} recv_next")
     return iters
 
 
-def one_f_one_b(torch, comm, mode, params):
+def one_f_one_b(torch, comm, mode, params, backend):
     """Megatron's forward_backward_pipelining_without_interleaving, communication only, on a
     chain (stage 0 never talks to its ring predecessor). Returns how often each call ran."""
     stage, stages = comm.rank, comm.size
@@ -76,10 +79,10 @@ def one_f_one_b(torch, comm, mode, params):
 
     def p2p(name, **ops):
         calls[name] = calls.get(name, 0) + 1
-        reqs = comm.exchange(mode=mode, **ops)
+        reqs = comm.exchange(mode=mode, **{k: backend.tensor(t) for k, t in ops.items()})
         assert sorted(reqs) == sorted(ops), (name, sorted(reqs))
         for r in reqs.values():
-            r.wait()
+            backend.settle(r)
 
     def recv_forward(m):
         if not first:
@@ -140,14 +143,14 @@ def one_f_one_b(torch, comm, mode, params):
     return calls
 
 
-def body(params):
+def run_all(params, backend):
+    """Every size, mode, lane count and schedule, once the process group exists."""
     import torch
     import torch.distributed as dist
 
     import megatron_p2p as mp
 
-    params["big_iterations"] = set(params["big_iterations"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    params = {**params, "big_iterations": set(params["big_iterations"])}
     world, me = dist.get_world_size(), dist.get_rank()
     results = {}
     for size in range(2, world + 1):
@@ -159,15 +162,25 @@ def body(params):
             for schedule, run in (("ring", ring), ("1f1b", one_f_one_b)):
                 key = f"{schedule} size={size} mode={mode} lanes={lanes}"
                 try:
-                    with mp.init_communicator(group, timeout=params["timeout"], lanes=lanes) as comm:
+                    with mp.init_communicator(group, backend.name, timeout=params["timeout"], lanes=lanes) as comm:
                         assert comm.eager_threshold == 0 and comm.size == size
                         assert comm.ranks == tuple(members), comm.ranks
-                        results[key] = {"ok": True, "value": run(torch, comm, mode, params)}
+                        results[key] = {"ok": True, "value": run(torch, comm, mode, params, backend)}
                 except Exception as exc:  # recorded; the test reports every failing configuration
                     results[key] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                     "traceback": traceback.format_exc()}
+    return results
+
+
+def body(params):
+    backend = Backend(params.get("backend", "shm"))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    results = run_all(params, backend)
     dist.destroy_process_group()
     return results
 
 
-harness.run(body)
+if __name__ == "__main__":
+    harness.run(body)

@@ -1,0 +1,440 @@
+"""One rank of the GPU job that two_process_checks.py launches: two processes on cuda:0 where
+NCCL allows it, else one rank exchanging with itself (the self-loop). It runs the named parts
+in order, prints one PASS/FAIL line per part with its time, and writes every rank's results
+to <out>/rank<R>.json after each part, so a job killed at its limit still says how far it got.
+
+    torchrun --standalone --nproc-per-node 2 tests/gpu/two_process_worker.py --parts setup,exact_bytes --out DIR
+
+With two ranks, rank 0 is the first pipeline stage and rank 1 the last; a lone rank plays
+both. Where a peer must stay silent, rank 1 skips its post; a lone rank stalls its own stream
+with a GPU sleep instead, since NCCL only allows a self send paired with its receive.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the source tree, when not installed
+import megatron_p2p as mp  # noqa: E402
+
+DEVICE = "cuda"
+WATCHDOG_TIMEOUT_S = 3.0
+STALL_CYCLES = 12_000_000_000  # a GPU sleep of at least 6 s at 2 GHz: longer than the watchdog's timeout
+MICROBATCHES = 4
+SIZES = [0, 1, 8, 4097, 1 << 20, 64 << 20]  # bytes
+DTYPES = ["float32", "bfloat16", "uint8", "int64", "bool", "float8_e5m2"]
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+def pattern(nbytes: int, dtype: torch.dtype, *key: Any) -> torch.Tensor:
+    """Bytes that depend only on `key`, so a receiver can rebuild what its peer sent."""
+    gen = torch.Generator(device=DEVICE)
+    gen.manual_seed(zlib.crc32(repr(key).encode()))
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes // size * size,), dtype=torch.uint8, device=DEVICE, generator=gen)
+    return (raw & 1).bool() if dtype == torch.bool else raw.view(dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() == b.numel() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def communicator(**kwargs: Any) -> mp.Communicator:
+    return mp.init_communicator(backend="nccl", timeout=kwargs.pop("timeout", 30.0), **kwargs)
+
+
+def settle(reqs: Any, timeout: float = 30.0) -> None:
+    """The GPU way (the current stream waits), then a bounded host wait."""
+    reqs = list(reqs.values()) if isinstance(reqs, dict) else list(reqs)
+    for r in reqs:
+        r.wait()
+    for r in reqs:
+        r.synchronize(timeout=timeout)
+
+
+def raised(fn: Callable[[], Any]) -> tuple[BaseException | None, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the parts assert on what was raised
+        return exc, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def silent(comm: mp.Communicator) -> bool:
+    """The rank that never posts in the watchdog parts: rank 1 of two."""
+    return comm.size > 1 and comm.rank == 1
+
+
+def stall_or_skip(comm: mp.Communicator, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """An exchange that cannot complete within the timeout: the peer stays silent, or a lone
+    rank's stream sleeps ahead of it. Returns its requests (None on the silent rank)."""
+    if silent(comm):
+        return None
+    if comm.size == 1:
+        torch.cuda._sleep(STALL_CYCLES)
+    return comm.exchange(send_next=x, recv_prev=y, call="stalled")
+
+
+class WatchdogLog(logging.Handler):
+    """Prints the watchdog's reports and notes when the first one came."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.first_at: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        print(f"[rank {os.environ.get('RANK')}] log {record.name}: {record.getMessage()[:1500]}", flush=True)
+
+
+WATCHDOG_LOG = WatchdogLog()
+
+
+class OneFOneB:
+    """Two pipeline stages running 1F1B over MICROBATCHES microbatches on static buffers: the
+    first stage sends activations and receives gradients, the last stage the reverse. Each
+    call carries one step of each stage this rank plays, as Megatron's schedule issues them."""
+
+    def __init__(self, comm: mp.Communicator, numel: int):
+        self.comm = comm
+        self.first = comm.size == 1 or comm.rank == 0
+        self.last = comm.size == 1 or comm.rank == comm.size - 1
+        self.numel = numel
+
+        def buffers(needed: bool) -> list[torch.Tensor]:
+            return [torch.zeros(numel, device=DEVICE) for _ in range(MICROBATCHES)] if needed else []
+
+        self.act_out, self.grad_in = buffers(self.first), buffers(self.first)
+        self.act_in, self.grad_out = buffers(self.last), buffers(self.last)
+
+    def _input(self, kind: str, run: int, m: int, sender: int) -> torch.Tensor:
+        return pattern(self.numel * 4, torch.float32, kind, run, m, sender)
+
+    def load(self, run: int) -> None:
+        """Writes run `run`'s values into the send buffers, as a training step's compute would."""
+        for m in range(MICROBATCHES):
+            for kind, bufs in (("act", self.act_out), ("grad", self.grad_out)):
+                if bufs:
+                    bufs[m].copy_(self._input(kind, run, m, self.comm.rank))
+
+    def received(self) -> torch.Tensor:
+        return torch.cat([t.view(torch.uint8) for t in self.act_in + self.grad_in])
+
+    def expected(self, run: int) -> torch.Tensor:
+        acts = [self._input("act", run, m, self.comm.prev_rank) for m in range(MICROBATCHES)] if self.last else []
+        grads = [self._input("grad", run, m, self.comm.next_rank) for m in range(MICROBATCHES)] if self.first else []
+        return torch.cat([t.view(torch.uint8) for t in acts + grads])
+
+    def step(self, mode: str) -> list:
+        reqs = []
+        for k in range(MICROBATCHES + 1):
+            ops = {}
+            if self.first:
+                if k < MICROBATCHES:
+                    ops["send_next"] = self.act_out[k]
+                if k > 0:
+                    ops["recv_next"] = self.grad_in[k - 1]
+            if self.last:
+                if k < MICROBATCHES:
+                    ops["recv_prev"] = self.act_in[k]
+                if k > 0:
+                    ops["send_prev"] = self.grad_out[k - 1]
+            call = "warmup_forward" if k == 0 else "cooldown_backward" if k == MICROBATCHES else "steady_1f1b"
+            reqs += self.comm.exchange(**ops, mode=mode, call=call).values()
+        return reqs
+
+
+# ---- parts -----------------------------------------------------------------------------------------
+
+def part_setup() -> dict:
+    """The communicators come up and move four floats: without this nothing else can run."""
+    comm = communicator(timeout=15.0)
+    sent = torch.full((4,), float(comm.rank + 1), device=DEVICE)
+    got = torch.zeros(4, device=DEVICE)
+    settle(comm.exchange(send_next=sent, recv_prev=got), timeout=15.0)  # short: a failure here falls back to one rank
+    assert torch.equal(got, torch.full((4,), float(comm.prev_rank + 1), device=DEVICE)), got
+    size = comm.size
+    comm.close()
+    return {"detail": f"{size} rank(s) on cuda:{torch.cuda.current_device()}", "ranks": size}
+
+
+def part_exact_bytes() -> dict:
+    """Both directions at once, every mode and lane count, dtypes and sizes from 0 bytes to 64 MiB."""
+    bad, count = [], 0
+    for lanes in (2, 1):
+        comm = communicator(lanes=lanes)
+        for mode in ("parity", "batched"):
+            for name in DTYPES:
+                dtype = getattr(torch, name)
+                for nbytes in SIZES:
+                    key = (lanes, mode, name, nbytes)
+                    act = pattern(nbytes, dtype, "act", *key, comm.rank)
+                    grad = pattern(nbytes, dtype, "grad", *key, comm.rank)
+                    act_in, grad_in = torch.empty_like(act), torch.empty_like(grad)
+                    settle(comm.exchange(send_next=act, recv_prev=act_in, send_prev=grad, recv_next=grad_in, mode=mode))
+                    count += 1
+                    if not same_bytes(act_in, pattern(nbytes, dtype, "act", *key, comm.prev_rank)):
+                        bad.append(("activations", *key))
+                    if not same_bytes(grad_in, pattern(nbytes, dtype, "grad", *key, comm.next_rank)):
+                        bad.append(("gradients", *key))
+        comm.close()
+        torch.cuda.empty_cache()
+    assert not bad, f"{len(bad)} transfers differ, first: {bad[:5]}"
+    return {"detail": f"{count} four-op exchanges, lanes 2 and 1, both modes, {len(DTYPES)} dtypes, "
+                      f"{SIZES[0]}..{SIZES[-1]} bytes: all exact", "exchanges": count}
+
+
+def part_one_f_one_b() -> dict:
+    """Megatron's 1F1B calls over several microbatches, with each run's fresh values."""
+    bad, runs = [], 0
+    for lanes in (2, 1):
+        comm = communicator(lanes=lanes)
+        pipe = OneFOneB(comm, 1 << 16)
+        for run in range(6):
+            mode = ("parity", "batched")[run % 2]
+            pipe.load(run)
+            settle(pipe.step(mode))
+            runs += 1
+            if not same_bytes(pipe.received(), pipe.expected(run)):
+                bad.append((lanes, mode, run))
+        comm.close()
+    assert not bad, f"1F1B runs that delivered wrong bytes (lanes, mode, run): {bad}"
+    return {"detail": f"{runs} 1F1B steps of {MICROBATCHES} microbatches (lanes 2 and 1, both modes): all exact",
+            "runs": runs}
+
+
+def _median_exchange_seconds(comm: mp.Communicator, x: torch.Tensor, y: torch.Tensor, iters: int) -> float:
+    """Host and device time of one exchange: post, wait, synchronize."""
+    stream = torch.cuda.current_stream()
+    times = []
+    for i in range(20 + iters):
+        start = time.perf_counter()
+        reqs = comm.exchange(send_next=x, recv_prev=y, mode="batched")
+        for r in reqs.values():
+            r.wait()
+        stream.synchronize()
+        if i >= 20:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def part_debug_matching() -> dict:
+    """MEGATRON_P2P_CHECK=1: its cost on agreeing exchanges, and a shape disagreement reported."""
+    plain = communicator()
+    os.environ["MEGATRON_P2P_CHECK"] = "1"  # read when a communicator is created
+    try:
+        checked = communicator(timeout=20.0)
+    finally:
+        del os.environ["MEGATRON_P2P_CHECK"]
+    x = pattern(64 << 10, torch.uint8, "check", plain.rank)
+    y = torch.empty_like(x)
+    unchecked_s = _median_exchange_seconds(plain, x, y, 200)
+    y.zero_()
+    checked_s = _median_exchange_seconds(checked, x, y, 200)
+    assert same_bytes(y, pattern(64 << 10, torch.uint8, "check", plain.prev_rank)), "agreeing ops delivered wrong bytes"
+    plain.close()
+
+    # A shape disagreement: the receiver raises MismatchError naming both ranks; the sender hears of it.
+    sent = torch.arange(1000.0, device=DEVICE).reshape(10, 100)
+    into = torch.zeros(100, 10, device=DEVICE)
+    receiver = checked.size == 1 or checked.rank == 1
+    ops = {}
+    if checked.size == 1 or checked.rank == 0:
+        ops["send_next"] = sent
+    if receiver:
+        ops["recv_prev"] = into
+    exc, elapsed = raised(lambda: settle(checked.exchange(**ops, call="shape_mismatch"), timeout=10.0))
+    heard = "at its synchronize"
+    if exc is None and not receiver:
+        # NCCL may complete a small send before its receive is posted: the relayed abort then
+        # reaches the sender's next call.
+        time.sleep(1.0)
+        exc, _ = raised(lambda: checked.exchange(send_next=sent, call="after_mismatch"))
+        heard = "at its next call"
+    checked.close()
+    message = str(exc)
+    if receiver:
+        assert isinstance(exc, mp.MismatchError), f"expected MismatchError, got {exc!r}"
+        for says in (f"rank {checked.prev_rank}'s send_next", f"rank {checked.rank}'s recv_prev", "shape"):
+            assert says in message, f"{says!r} not in: {message}"
+    else:
+        assert isinstance(exc, mp.P2PError), f"the sender of a disagreement saw {exc!r}"
+    assert elapsed < 10.0, f"the disagreement took {elapsed:.1f} s to surface"
+    ratio = checked_s / unchecked_s
+    outcome = "MismatchError" if receiver else f"{type(exc).__name__} {heard}"
+    return {"detail": f"{outcome} in {elapsed:.2f} s; 64 KiB exchange "
+                      f"(post+wait+sync, median of 200): {unchecked_s * 1e6:.1f} us unchecked, "
+                      f"{checked_s * 1e6:.1f} us with MEGATRON_P2P_CHECK=1, ratio {ratio:.2f}",
+            "unchecked_us": unchecked_s * 1e6, "checked_us": checked_s * 1e6, "check_cost_ratio": ratio,
+            "error": message[:500]}
+
+
+def part_cuda_graph(replays: int = 100) -> dict:
+    """A captured 1F1B step replayed with new inputs equals eager execution; captured requests
+    refuse host waits; eager calls work after the capture."""
+    comm = communicator(timeout=60.0)
+    pipe = OneFOneB(comm, 1 << 16)
+    mode = "batched"
+    eager = []
+    for run in range(replays):
+        pipe.load(run)
+        settle(pipe.step(mode))
+        eager.append(pipe.received())
+    wrong_eager = [run for run in range(replays) if not same_bytes(eager[run], pipe.expected(run))]
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reqs = pipe.step(mode)
+        for r in reqs:
+            r.wait()  # joins each lane back into the capturing stream
+        refused_sync, _ = raised(lambda: reqs[0].synchronize(timeout=1.0))
+        refused_query, _ = raised(reqs[0].is_completed)
+    differ = []
+    for run in range(replays):
+        pipe.load(run)
+        graph.replay()
+        if not same_bytes(pipe.received(), eager[run]):
+            differ.append(run)
+    torch.cuda.synchronize()
+    pipe.load(replays)
+    after, _ = raised(lambda: settle(pipe.step(mode)))
+    after_exact = after is None and same_bytes(pipe.received(), pipe.expected(replays))
+    del graph
+    torch.cuda.synchronize()
+    comm.close()
+
+    assert isinstance(refused_sync, mp.P2PError), f"synchronize() on a captured request: {refused_sync!r}"
+    assert isinstance(refused_query, mp.P2PError), f"is_completed() on a captured request: {refused_query!r}"
+    assert not wrong_eager, f"eager runs that delivered wrong bytes: {wrong_eager[:10]}"
+    assert not differ, f"replays that differ from eager execution: {differ[:10]} ({len(differ)} of {replays})"
+    assert after_exact, f"an eager step after the capture: {after!r}"
+    return {"detail": f"captured 1F1B step ({MICROBATCHES} microbatches, {mode}) replayed {replays} times with new "
+                      f"inputs: bit-equal to eager; synchronize() and is_completed() under capture raise P2PError",
+            "replays": replays, "refusal": str(refused_sync)[:300]}
+
+
+def part_watchdog_raise() -> dict:
+    """MEGATRON_P2P_ASYNC_ERROR_HANDLING=raise (set by the launcher): the stalled rank's next
+    call raises the watchdog's report, and its stream runs again."""
+    me = int(os.environ["RANK"])
+    comm = communicator(timeout=WATCHDOG_TIMEOUT_S if me == 0 else 60.0)
+    x, y = torch.ones(16 << 10, device=DEVICE), torch.zeros(16 << 10, device=DEVICE)
+    settle(comm.exchange(send_next=x, recv_prev=y), timeout=20.0)  # connections up on both ranks
+    if silent(comm):
+        time.sleep(WATCHDOG_TIMEOUT_S + 3.0)
+        exc, elapsed = raised(lambda: settle(comm.exchange(send_next=x, recv_prev=y), timeout=5.0))
+        comm.close()
+        assert isinstance(exc, mp.P2PError) and elapsed < 1.0, f"the silent peer's next call: {exc!r}, {elapsed:.1f} s"
+        assert "rank 0" in str(exc), str(exc)
+        return {"detail": f"the silent peer's next call raised {type(exc).__name__} at once: the abort was relayed"}
+
+    WATCHDOG_LOG.first_at = None
+    posted = time.monotonic()
+    reqs = stall_or_skip(comm, x, y)
+    for r in reqs.values():
+        r.wait()  # the stream waits; the host goes on
+    host_free = time.monotonic() - posted
+    deadline = posted + WATCHDOG_TIMEOUT_S + 2.0
+    busy = 0
+    while WATCHDOG_LOG.first_at is None and time.monotonic() < deadline:
+        busy += sum(range(10_000))  # host work that never syncs with the GPU
+        time.sleep(0.01)
+    exc, _ = raised(lambda: settle(comm.exchange(send_next=x, recv_prev=y), timeout=5.0))
+    raised_after = time.monotonic() - posted
+    fired_after = None if WATCHDOG_LOG.first_at is None else WATCHDOG_LOG.first_at - posted
+
+    resume = torch.cuda.Event()
+    resume.record()
+    until = time.monotonic() + 20.0
+    while not resume.query() and time.monotonic() < until:
+        time.sleep(0.01)
+    resumed_after = time.monotonic() - posted if resume.query() else None
+    comm.close()
+
+    assert host_free < 1.0, f"posting and wait() held the host for {host_free:.2f} s"
+    assert fired_after is not None, "the watchdog logged no report at error level"
+    assert isinstance(exc, mp.P2PTimeoutError) and "watchdog" in str(exc), f"the next call: {exc!r}"
+    assert raised_after <= WATCHDOG_TIMEOUT_S + 2.0, f"the next call raised {raised_after:.2f} s after the post"
+    assert resumed_after is not None, "the current stream was still stalled 20 s after the watchdog's abort"
+    return {"detail": f"watchdog report after {fired_after:.2f} s (timeout {WATCHDOG_TIMEOUT_S} s), next call raised "
+                      f"P2PTimeoutError at {raised_after:.2f} s, stream running again at {resumed_after:.2f} s",
+            "fired_after_s": fired_after, "raised_after_s": raised_after, "resumed_after_s": resumed_after,
+            "report": str(exc)[:1500]}
+
+
+def part_watchdog_end() -> dict:
+    """The default handling under torchrun: the stalled rank ends with status 70, so this part
+    never returns there. The launcher checks torchrun's status and the time from the post."""
+    me = int(os.environ["RANK"])
+    comm = communicator(timeout=WATCHDOG_TIMEOUT_S if me == 0 else 60.0)
+    x, y = torch.ones(16 << 10, device=DEVICE), torch.zeros(16 << 10, device=DEVICE)
+    settle(comm.exchange(send_next=x, recv_prev=y), timeout=20.0)
+    print(f"STALL_POSTED rank={me} {time.time():.3f}", flush=True)
+    reqs = stall_or_skip(comm, x, y)
+    for r in (reqs or {}).values():
+        r.wait()
+    time.sleep(60.0)
+    raise AssertionError("still running 60 s after the stall: the watchdog did not end the job")
+
+
+PARTS: dict[str, Callable[[], dict]] = {
+    "setup": part_setup,
+    "exact_bytes": part_exact_bytes,
+    "one_f_one_b": part_one_f_one_b,
+    "debug_matching": part_debug_matching,
+    "cuda_graph": part_cuda_graph,
+    "watchdog_raise": part_watchdog_raise,
+    "watchdog_end": part_watchdog_end,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", required=True, help="comma-separated: " + ",".join(PARTS))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    rank = int(os.environ["RANK"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks before a kill
+    logging.getLogger("megatron_p2p.watchdog").addHandler(WATCHDOG_LOG)
+    torch.cuda.set_device(0)  # every rank on the one GPU
+    results: dict[str, dict] = {}
+    for name in args.parts.split(","):
+        start = time.monotonic()
+        try:
+            result = {"ok": True, **PARTS[name]()}
+        except Exception as exc:  # noqa: BLE001 - reported, and the next part still runs
+            result = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()}
+        result["seconds"] = round(time.monotonic() - start, 2)
+        results[name] = result
+        print(f"[rank {rank}] {'PASS' if result['ok'] else 'FAIL'} {name} ({result['seconds']:.1f} s): "
+              f"{result['detail']}", flush=True)
+        if not result["ok"]:
+            print(result["traceback"], flush=True)
+            if name == "setup":
+                break  # nothing else can run: the launcher falls back to one rank
+        tmp = out / f"rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, out / f"rank{rank}.json")
+    return 0  # the launcher judges from the results: a nonzero exit would make torchrun kill the peer
+
+
+if __name__ == "__main__":
+    sys.exit(main())
