@@ -34,12 +34,17 @@ def torch_step(src, dst):
     return dist.batch_isend_irecv([dist.P2POp(dist.isend, src, 0), dist.P2POp(dist.irecv, dst, 0)])
 
 
-def device_seconds(step, iters: int) -> float:
-    for _ in range(3):
+def device_seconds(step, iters: int, ahead_cycles: int = 0) -> float:
+    """The GPU's time per exchange, from CUDA events around `iters` exchanges; with
+    ahead_cycles, queued behind a GPU sleep of that many cycles, so that the host's posting pace
+    is not part of it."""
+    for _ in range(20):
         for w in step():
             w.wait()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if ahead_cycles:
+        torch.cuda._sleep(ahead_cycles)
     start.record()
     for _ in range(iters):
         for w in step():
@@ -65,24 +70,6 @@ def host_median_seconds(step, iters: int) -> float:
     return statistics.median(times)
 
 
-def gpu_seconds_queued(step, iters: int) -> float:
-    """The GPU's time per exchange, from CUDA events around `iters` exchanges that the host has
-    queued behind a GPU sleep, so that the host's posting pace is not part of it."""
-    for _ in range(20):
-        for w in step():
-            w.wait()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(AHEAD_CYCLES)
-    start.record()
-    for _ in range(iters):
-        for w in step():
-            w.wait()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
 def ratio(ours: float, theirs: float) -> float:
     return ours / theirs if theirs and theirs == theirs else float("nan")
 
@@ -99,8 +86,8 @@ def per_exchange(comm, torch_ok: bool) -> list[dict]:
         row = {"bytes": nbytes,
                "megatron_p2p_host_us": host_median_seconds(ours_step, 2000) * 1e6,
                "torch_host_us": host_median_seconds(theirs_step, 2000) * 1e6 if torch_ok else float("nan"),
-               "megatron_p2p_gpu_us": gpu_seconds_queued(ours_step, 100) * 1e6,
-               "torch_gpu_us": gpu_seconds_queued(theirs_step, 100) * 1e6 if torch_ok else float("nan")}
+               "megatron_p2p_gpu_us": device_seconds(ours_step, 100, AHEAD_CYCLES) * 1e6,
+               "torch_gpu_us": device_seconds(theirs_step, 100, AHEAD_CYCLES) * 1e6 if torch_ok else float("nan")}
         assert torch.equal(src, dst)
         row["host_ratio"] = ratio(row["megatron_p2p_host_us"], row["torch_host_us"])
         row["gpu_ratio"] = ratio(row["megatron_p2p_gpu_us"], row["torch_gpu_us"])

@@ -29,15 +29,15 @@ class JobResult:
     output: str
 
 
-def _job_pids(token: str) -> list[int]:
-    """Every process carrying the job's token: torchrun puts each rank in a session of its
-    own, so killing the launcher's process group would miss them."""
-    marker = f"MP_BENCH_TOKEN={token}".encode()
+def job_pids(marker: str) -> list[int]:
+    """Every other process whose environment holds `marker` ("NAME=value"): torchrun puts each
+    rank in a session of its own, so killing the launcher's process group would miss them."""
+    wanted = marker.encode()
     pids = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                if wanted in (entry / "environ").read_bytes().split(b"\0"):
                     pids.append(int(entry.name))
             except OSError:
                 pass
@@ -45,7 +45,7 @@ def _job_pids(token: str) -> list[int]:
 
 
 def _signal_job(token: str, sig: int) -> None:
-    for pid in _job_pids(token):
+    for pid in job_pids(f"MP_BENCH_TOKEN={token}"):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:

@@ -32,7 +32,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parents[1]))  # the source tree, when not installed
+sys.path.append(str(HERE.parents[1] / "benchmarks"))
 import megatron_p2p as mp  # noqa: E402
+from launch import job_pids  # noqa: E402
 
 WORKER = HERE / "two_process_worker.py"
 MAIN_PARTS = ["setup", "exact_bytes", "one_f_one_b", "debug_matching", "cuda_graph", "watchdog_raise"]
@@ -53,23 +55,8 @@ class Job:
     ended_at: float = 0.0  # time.time() when the launcher was done
 
 
-def _job_pids(token: str) -> list[int]:
-    """The job's processes, found by the token in their environment: torchrun may start ranks
-    in sessions of their own, out of reach of the launcher's process group."""
-    marker = f"MP_GPU_JOB_TOKEN={token}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
-
-
 def _signal_job(token: str, sig: int, spare: Optional[int] = None) -> None:
-    for pid in _job_pids(token):
+    for pid in job_pids(f"MP_GPU_JOB_TOKEN={token}"):
         if pid == spare:
             continue
         try:
