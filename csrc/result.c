@@ -4,7 +4,7 @@ const char *mp_result_str(mp_result r)
 {
     switch (r) {
     case MP_OK: return "success";
-    case MP_ERR_SYSTEM: return "system call failed";
+    case MP_ERR_SYSTEM: return "a system or library call failed";
     case MP_ERR_MISMATCH: return "send and receive disagree on size or dtype";
     case MP_ERR_TIMEOUT: return "wait timed out";
     case MP_ERR_ABORTED: return "communicator aborted";

@@ -4,7 +4,7 @@
 
 typedef enum {
     MP_OK = 0,
-    MP_ERR_SYSTEM,      /* an OS call failed; errno-derived detail in the message */
+    MP_ERR_SYSTEM,      /* an OS, CUDA or NCCL call failed; its own detail is in the message */
     MP_ERR_MISMATCH,    /* matched send and receive disagree on bytes or dtype */
     MP_ERR_TIMEOUT,     /* a wait passed its deadline on this rank */
     MP_ERR_ABORTED,     /* the communicator was aborted (by a rank's timeout or abort()) */
