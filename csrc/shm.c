@@ -343,6 +343,37 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
     return 1;
 }
 
+static void shm_abort(mp_transport *t, mp_result cause, int rank, const char *why);
+
+/* Whether peer `r`'s process has exited: its pidfd is readable, or its pid is gone. */
+static int peer_exited(shm_t *s, int r)
+{
+    if (s->pidfds[r] >= 0) {
+        struct pollfd p = {s->pidfds[r], POLLIN, 0};
+        return poll(&p, 1, 0) > 0;
+    }
+    return kill(s->pids[r], 0) != 0 && errno == ESRCH;
+}
+
+/* A single-copy read that failed: ESRCH (the sender is gone) and EFAULT (its buffer is no longer
+ * mapped, as while it exits) are the sender's failure, and the communicator is aborted when
+ * it has exited; anything else is this rank's own. */
+static mp_result cma_failure(shm_t *s, const mp_op *op, int err, char *detail, size_t len)
+{
+    if (err != ESRCH && err != EFAULT) {
+        snprintf(detail, len, "%s from rank %d: single-copy read failed: %s", mp_label_name(op->label),
+                 op->peer_global, err ? strerror(err) : "no bytes");
+        return MP_ERR_SYSTEM;
+    }
+    int exited = err == ESRCH || peer_exited(s, op->peer);
+    snprintf(detail, len, "the sender, rank %d (pid %d), %s during the single-copy read (%s)", op->peer_global,
+             (int)s->pids[op->peer], exited ? "exited" : "unmapped its buffer, as a process does while it exits",
+             strerror(err));
+    if (exited)
+        shm_abort(&s->base, MP_ERR_PEER_DEAD, op->peer, NULL);
+    return MP_ERR_PEER_DEAD;
+}
+
 static int copy_cma(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local *cl)
 {
     shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
@@ -355,9 +386,8 @@ static int copy_cma(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local
         struct iovec remote = {(void *)(uintptr_t)(sl->addr + op->progress), n};
         ssize_t got = process_vm_readv(s->pids[op->peer], &local, 1, &remote, 1, 0);
         if (got <= 0) {
-            snprintf(op->detail, sizeof op->detail, "%s from rank %d: single-copy read failed: %s",
-                     mp_label_name(op->label), op->peer_global, got < 0 ? strerror(errno) : "no bytes");
-            recv_done(s, step, op, ch, cl, MP_ERR_SYSTEM);
+            mp_result r = cma_failure(s, op, got < 0 ? errno : 0, op->detail, sizeof op->detail);
+            recv_done(s, step, op, ch, cl, r);
             return 1;
         }
         op->progress += (uint64_t)got;
@@ -551,14 +581,7 @@ static void check_liveness(shm_t *s)
             continue;
         if (atomic_load(&shm_rank_at(&s->v, r)->state) == SHM_RANK_CLOSED)
             continue;
-        int dead;
-        if (s->pidfds[r] >= 0) {
-            struct pollfd p = {s->pidfds[r], POLLIN, 0};
-            dead = poll(&p, 1, 0) > 0;
-        } else {
-            dead = kill(s->pids[r], 0) != 0 && errno == ESRCH;
-        }
-        if (dead) {
+        if (peer_exited(s, r)) {
             shm_abort(&s->base, MP_ERR_PEER_DEAD, r, NULL);
             return;
         }

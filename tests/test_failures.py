@@ -254,6 +254,22 @@ def test_dead_peer_fails_the_others_fast_and_leaves_no_segment():
     assert leaked_segments(before) == set()
 
 
+def test_a_sender_killed_mid_single_copy_is_a_peer_failure_naming_it_and_its_pid():
+    """SIGKILL while the receiver reads the sender's 512 MiB with process_vm_readv: the failed
+    read (ESRCH or EFAULT) is the sender's death, PeerFailureError with its rank and pid, not a
+    bare P2PError; the intact transfer is test_one_gibibyte_message_arrives_intact."""
+    before = shm_segments()
+    job = run_job("fail_dead_peer.py", 2, params={"victim": 0, "how": "sigkill_mid_copy", "nbytes": 512 << 20,
+                                                  "timeout": 30.0}, timeout=120)
+    assert job.ranks[0] is None  # it died
+    v = job.ranks[1]["value"] if job.ranks[1] and job.ranks[1]["ok"] else pytest.fail(job.output[-4000:])
+    assert v["single_copy"], v
+    assert v["wait"]["type"] == "PeerFailureError", v["wait"]
+    assert "rank 0 (pid " in v["wait"]["msg"], v["wait"]["msg"]  # the failed read says so; liveness may be first
+    assert v["elapsed"] < 5.0, v
+    assert leaked_segments(before) == set()
+
+
 # ---- shared-memory hygiene --------------------------------------------------------------------
 
 
