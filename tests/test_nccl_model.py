@@ -288,6 +288,15 @@ def test_a_context_the_driver_refuses_to_make_current_fails_the_call_saying_so(t
         assert "primary context current failed" in v["exchange"]["msg"], v["exchange"]["msg"]
 
 
+def test_ctrl_c_leaves_a_host_wait_within_200_ms_leaving_the_op_pending_for_abort():
+    """Issue 10's interrupt rule on the NCCL backend: its host waits run Python's signal handlers
+    as shm's do."""
+    v = run_one("nccl_model_findings.py", {"case": "interrupt", "timeout": 20.0}, env=SILENT_SELF)
+    assert v["interrupted"] and 0.3 <= v["left_after"] < 0.55, v  # signalled at 0.3 s: 200 ms, and some jitter
+    assert v["pending_after"], v
+    assert v["after_abort"]["type"] is not None and v["after_abort"]["elapsed"] < 0.5, v
+
+
 STUCK_GROUP_END = {  # every group after each lane's warm-up answers ncclInProgress for 3 s
     "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "3000",
     "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1",

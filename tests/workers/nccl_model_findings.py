@@ -1,6 +1,8 @@
 """One-rank probes of the review findings on the NCCL backend (params["case"]), over the fakes:
   context  the calling thread's current CUDA context before and after each call of the package
   refused  the driver refuses every cuCtxSetCurrent after creation: what an exchange does then
+  interrupt SIGINT 0.3 s into a host wait on an op that never completes: how soon the wait
+           leaves, whether the op is still pending, and what abort() then makes of it
   abort    an exchange stuck in ncclGroupEnd's ncclInProgress, and abort() from another thread
   close    close() with an exchange pending that the fake never runs (the rank is silent)
   watch    an exchange waited on the stream only (Request.wait()), then the host idles past the
@@ -60,6 +62,22 @@ def body(params):
         out["exchange"] = harness.caught(lambda: [r.synchronize() for r in
                                                   comm.exchange(send_next=on(t), recv_prev=on(got)).values()])
         out["exact"] = bool(torch.equal(got, t))
+    if case == "interrupt":
+        import signal
+
+        reqs = comm.exchange(send_next=on(t), recv_prev=on(got))
+        req = reqs["recv_prev"]
+        threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            req.synchronize()
+            out["interrupted"] = False
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+        out["left_after"] = time.monotonic() - start
+        out["pending_after"] = not req.is_completed()
+        comm.abort()
+        out["after_abort"] = harness.caught(req.synchronize)
     if case == "abort":
         start = time.monotonic()
         aborted = {}
