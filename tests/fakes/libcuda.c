@@ -334,6 +334,13 @@ static CUresult resolve_stream(ctx_t *c, CUstream handle, stream_t **out)
     return CUDA_SUCCESS;
 }
 
+/* The calling thread's context and `handle` resolved in it: the prologue of every stream call. */
+static CUresult current_stream(CUstream handle, ctx_t **c, stream_t **s)
+{
+    CUresult r = need_context(c);
+    return r == CUDA_SUCCESS ? resolve_stream(*c, handle, s) : r;
+}
+
 static CUresult enqueue(stream_t *s, item *it)
 {
     it->next = NULL;
@@ -408,8 +415,8 @@ CUresult cuStreamDestroy_v2(CUstream stream)
 {
     ctx_t *c;
     stream_t *s;
-    CUresult r = need_context(&c);
-    if (r == CUDA_SUCCESS && (r = resolve_stream(c, stream, &s)) == CUDA_SUCCESS && s == c->null_stream)
+    CUresult r = current_stream(stream, &c, &s);
+    if (r == CUDA_SUCCESS && s == c->null_stream)
         r = CUDA_ERROR_INVALID_HANDLE;
     if (r != CUDA_SUCCESS)
         return r;
@@ -424,9 +431,7 @@ CUresult cuStreamSynchronize(CUstream stream)
 {
     ctx_t *c;
     stream_t *s;
-    CUresult r = need_context(&c);
-    if (r == CUDA_SUCCESS)
-        r = resolve_stream(c, stream, &s);
+    CUresult r = current_stream(stream, &c, &s);
     if (r == CUDA_SUCCESS)
         r = capture_allows_stream_sync("cuStreamSynchronize", s, stream);
     if (r != CUDA_SUCCESS)
@@ -443,9 +448,7 @@ CUresult cuStreamQuery(CUstream stream)
 {
     ctx_t *c;
     stream_t *s;
-    CUresult r = need_context(&c);
-    if (r == CUDA_SUCCESS)
-        r = resolve_stream(c, stream, &s);
+    CUresult r = current_stream(stream, &c, &s);
     if (r == CUDA_SUCCESS)
         r = capture_allows_stream_sync("cuStreamQuery", s, stream);
     if (r != CUDA_SUCCESS)
@@ -686,9 +689,7 @@ CUresult mpfake_stream_context(CUstream stream, CUcontext *ctx)
 {
     ctx_t *c;
     stream_t *s;
-    CUresult r = need_context(&c);
-    if (r == CUDA_SUCCESS)
-        r = resolve_stream(c, stream, &s);
+    CUresult r = current_stream(stream, &c, &s);
     if (r == CUDA_SUCCESS)
         *ctx = (CUcontext)s->ctx;
     return r;
