@@ -77,6 +77,28 @@ static int set_id(CommObject *self, PyObject *unique_id)
     return 0;
 }
 
+/* Creation blocks (GIL released) until every rank has joined; this lets Python's signal handlers
+ * run every SIGNAL_CHECK_PERIOD meanwhile, so that Ctrl-C ends a creation whose peers never come. */
+#define SIGNAL_CHECK_PERIOD 0.05
+
+typedef struct {
+    PyThreadState *saved;
+    double next_check;
+} signal_check;
+
+static int python_signal_raised(void *arg)
+{
+    signal_check *c = arg;
+    double now = mp_now();
+    if (now < c->next_check)
+        return 0;
+    c->next_check = now + SIGNAL_CHECK_PERIOD;
+    PyEval_RestoreThread(c->saved);
+    int raised = PyErr_CheckSignals() < 0;
+    c->saved = PyEval_SaveThread();
+    return raised;
+}
+
 /* The NCCL transport's parts of construction: the libraries, then the collective creation. */
 static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_priority, mp_transport **t, char *err,
                            size_t errlen, int *unavailable)
@@ -107,10 +129,12 @@ static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_prior
         .check = self->check,
         .global_rank = self->global_ranks[self->group_rank],
     };
-    mp_result r;
-    Py_BEGIN_ALLOW_THREADS
-    r = mp_nccl_open(&cfg, nccl, cuda, t, err, errlen);
-    Py_END_ALLOW_THREADS
+    signal_check check = {.next_check = mp_now() + SIGNAL_CHECK_PERIOD};
+    mp_interrupt interrupt = {python_signal_raised, &check};
+    cfg.interrupt = &interrupt;
+    check.saved = PyEval_SaveThread();
+    mp_result r = mp_nccl_open(&cfg, nccl, cuda, t, err, errlen);
+    PyEval_RestoreThread(check.saved);
     return r;
 }
 
@@ -134,10 +158,12 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
         .allow_cma = single_copy,
         .global_rank = self->global_ranks[self->group_rank],
     };
-    mp_result r;
-    Py_BEGIN_ALLOW_THREADS
-    r = mp_shm_open(&cfg, t, err, errlen);
-    Py_END_ALLOW_THREADS
+    signal_check check = {.next_check = mp_now() + SIGNAL_CHECK_PERIOD};
+    mp_interrupt interrupt = {python_signal_raised, &check};
+    cfg.interrupt = &interrupt;
+    check.saved = PyEval_SaveThread();
+    mp_result r = mp_shm_open(&cfg, t, err, errlen);
+    PyEval_RestoreThread(check.saved);
     return r;
 }
 
@@ -218,11 +244,12 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     mp_transport *t = NULL;
     mp_result r = is_nccl ? open_nccl(self, unique_id, high_priority, &t, err, sizeof err, &unavailable)
                           : open_shm(self, unique_id, single_copy, &t, err, sizeof err);
+    if (r == MP_ERR_INTERRUPTED) /* the signal handler's exception is set */
+        goto fail;
     if (r != MP_OK) {
         PyObject *exc = unavailable ? st->BackendUnavailableError
                       : r == MP_ERR_CORRUPT ? PyExc_ValueError
-                      : r == MP_ERR_TIMEOUT ? st->P2PTimeoutError
-                                            : st->P2PError;
+                                            : mp_failure_type(st, r);
         PyErr_Format(exc, "%s communicator (rank %d of %d): %s", backend, group_rank, self->size, err);
         goto fail;
     }

@@ -86,6 +86,7 @@ typedef struct {
     mp_CUevent ready;        /* recorded on the caller's stream by begin() */
     mp_CUdeviceptr scratch;  /* warm-up buffers */
     double timeout;
+    const mp_interrupt *interrupt; /* the caller's, while creation waits for the group */
     lane_t lanes[2];
     fence *spare;            /* recycled fences, each with its event */
     /* Fences recorded during a CUDA graph capture: their events belong to the graph, which
@@ -209,7 +210,10 @@ static void fail_all(nccl_t *n, mp_result r, const char *detail)
 /* The package's failure for an NCCL result: a remote error means a peer failed. */
 static mp_result cause_of(mp_ncclResult_t r)
 {
-    return r == MP_NCCL_TIMEOUT ? MP_ERR_TIMEOUT : r == MP_NCCL_REMOTE_ERROR ? MP_ERR_PEER_DEAD : MP_ERR_SYSTEM;
+    return r == MP_NCCL_TIMEOUT          ? MP_ERR_TIMEOUT
+         : r == MP_NCCL_REMOTE_ERROR     ? MP_ERR_PEER_DEAD
+         : r == MP_NCCL_INTERRUPTED      ? MP_ERR_INTERRUPTED
+                                         : MP_ERR_SYSTEM;
 }
 
 /* Lock held. ncclCommAbort does not wait for the peers, so it is safe at any point. */
@@ -259,6 +263,8 @@ static mp_ncclResult_t settle(nccl_t *n, mp_ncclComm_t comm, double deadline, in
             return state;
         if (mp_now() > deadline)
             return MP_NCCL_TIMEOUT;
+        if (mp_interrupted(n->interrupt))
+            return MP_NCCL_INTERRUPTED;
         if (locked)
             pthread_mutex_unlock(&n->lock);
         pause_polling(polls);
@@ -850,6 +856,8 @@ static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
                          "in time", l, prev, next);
                 return MP_ERR_TIMEOUT;
             }
+            if (mp_interrupted(n->interrupt))
+                return MP_ERR_INTERRUPTED;
             usleep(100);
             c = MP_CUDA_SUCCESS;
         }
@@ -946,6 +954,7 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     pthread_mutex_init(&n->issue, NULL);
     pthread_mutex_init(&n->lock, NULL);
     double deadline = mp_now() + cfg->timeout;
+    n->interrupt = cfg->interrupt;
     mp_result res = open_device(n, cfg, err, errlen);
     if (res == MP_OK) {
         mp_CUcontext saved;
@@ -959,6 +968,7 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
             res = warm_up(n, deadline, err, errlen);
         leave(n, saved);
     }
+    n->interrupt = NULL; /* the caller's, valid during this call only */
     if (res != MP_OK) {
         nccl_destroy(&n->base); /* aborts whatever communicators exist */
         return res;

@@ -7,6 +7,7 @@
 #include <stddef.h>
 
 #include "libraries.h"
+#include "interrupt.h"
 #include "transport.h"
 
 typedef struct {
@@ -19,6 +20,7 @@ typedef struct {
     int high_priority;            /* lane streams at the device's greatest priority */
     int check;                    /* debug matching: every step is preceded by descriptors */
     int global_rank;              /* this rank's, for debug matching's reports */
+    const mp_interrupt *interrupt; /* checked while creation waits for the other ranks; may be NULL */
 } mp_nccl_config;
 
 /* Collective over the group: creates and warms up every lane's communicator. */

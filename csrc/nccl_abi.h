@@ -25,6 +25,7 @@ typedef enum {
     /* Not NCCL's: the package's own outcomes of waiting on an in-progress communicator. */
     MP_NCCL_TIMEOUT = 8,
     MP_NCCL_ABORTED = 9,
+    MP_NCCL_INTERRUPTED = 10,
 } mp_ncclResult_t;
 
 typedef enum {

@@ -8,7 +8,7 @@
 #include "dtype.h"
 #include "plan.h"
 
-#define SIGNAL_PERIOD 0.2 /* seconds a blocked wait goes without running Python's signal handlers */
+#define SIGNAL_PERIOD 0.05 /* seconds a blocked wait goes without running Python's signal handlers */
 
 RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffer *buf)
 {

@@ -13,6 +13,7 @@ const char *mp_result_str(mp_result r)
     case MP_ERR_CORRUPT: return "shared memory corrupt";
     case MP_ERR_DEADLOCK: return "deadlock";
     case MP_ERR_CAPTURE: return "not possible during CUDA graph capture";
+    case MP_ERR_INTERRUPTED: return "interrupted";
     }
     return "unknown result";
 }

@@ -13,6 +13,7 @@ typedef enum {
     MP_ERR_CORRUPT,     /* shared memory held a value out of bounds */
     MP_ERR_DEADLOCK,    /* this rank is in a wait-for cycle that can never resolve */
     MP_ERR_CAPTURE,     /* not possible while the caller's stream captures a CUDA graph */
+    MP_ERR_INTERRUPTED, /* a signal handler raised while the call blocked; the caller has its exception */
 } mp_result;
 
 const char *mp_result_str(mp_result r);

@@ -962,10 +962,20 @@ int mp_shm_new_name(char *buf, size_t len)
 }
 
 /* Waits until `counter` reaches the group size; names the missing ranks when it does not. */
-static mp_result wait_all(shm_t *s, _Atomic uint32_t *counter, uint32_t min_state, double deadline, const char *what,
-                          char *err, size_t errlen)
+static mp_result wait_all(shm_t *s, _Atomic uint32_t *counter, uint32_t min_state, double deadline,
+                          const mp_interrupt *interrupt, const char *what, char *err, size_t errlen)
 {
-    while (atomic_load(counter) < (uint32_t)s->base.size) {
+    for (unsigned polls = 0; atomic_load(counter) < (uint32_t)s->base.size; polls++) {
+        if (mp_interrupted(interrupt))
+            return MP_ERR_INTERRUPTED;
+        for (int r = 0; polls % 64 == 0 && r < s->base.size; r++) {
+            pid_t pid = (pid_t)atomic_load(&shm_rank_at(&s->v, r)->pid);
+            if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+                snprintf(err, errlen, "rank %d (pid %d) exited before every rank could %s the shared-memory segment",
+                         r, (int)pid, what);
+                return MP_ERR_PEER_DEAD;
+            }
+        }
         if (mp_now() > deadline) {
             int n = snprintf(err, errlen, "timed out waiting for ranks to %s the shared-memory segment; missing:",
                              what);
@@ -1035,7 +1045,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
         s->pidfds[r] = -1;
 
     mp_result res = shm_segment_map(cfg->name, cfg->create, cfg->size, cfg->nlanes, cfg->eager_threshold, deadline,
-                                    &s->v, err, errlen);
+                                    cfg->interrupt, &s->v, err, errlen);
     if (res != MP_OK) {
         shm_destroy(&s->base);
         return res;
@@ -1056,7 +1066,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     atomic_store(&me->state, SHM_RANK_ATTACHED);
     atomic_fetch_add(&h->attached, 1);
 
-    res = wait_all(s, &h->attached, SHM_RANK_ATTACHED, deadline, "attach to", err, errlen);
+    res = wait_all(s, &h->attached, SHM_RANK_ATTACHED, deadline, cfg->interrupt, "attach to", err, errlen);
     shm_unlink(cfg->name); /* everyone is in (or the job failed): the name is no longer needed */
     if (res != MP_OK) {
         shm_destroy(&s->base);
@@ -1070,7 +1080,8 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     probe_single_copy(s, cfg->allow_cma);
     atomic_store(&me->state, SHM_RANK_READY);
     atomic_fetch_add(&h->ready, 1);
-    res = wait_all(s, &h->ready, SHM_RANK_READY, deadline, "finish connecting to", err, errlen);
+    res = wait_all(s, &h->ready, SHM_RANK_READY, deadline, cfg->interrupt, "finish connecting to", err,
+                   errlen);
     if (res != MP_OK) {
         shm_destroy(&s->base);
         return res;

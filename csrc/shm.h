@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "interrupt.h"
 #include "transport.h"
 
 typedef struct {
@@ -18,6 +19,7 @@ typedef struct {
     double timeout;           /* for the other ranks to attach */
     int allow_cma;            /* 0: always copy through shared memory (two copies) */
     int global_rank;          /* this rank's, for reports other ranks write */
+    const mp_interrupt *interrupt; /* checked while waiting for the other ranks; may be NULL */
 } mp_shm_config;
 
 #define MP_SHM_NAME_LEN 64

@@ -83,8 +83,37 @@ static mp_result create_segment(const char *name, uint64_t total, int *fd_out, c
     return MP_OK;
 }
 
-static mp_result attach_segment(const char *name, uint64_t total, double deadline, int *fd_out, char *err,
-                                size_t errlen)
+/* The pid in the name ("/mp2p-<pid>-..."): rank 0's, the creator's. */
+static pid_t creator_of(const char *name)
+{
+    if (strncmp(name + 1, SHM_PREFIX, sizeof SHM_PREFIX - 1) != 0)
+        return 0;
+    char *end;
+    long pid = strtol(name + sizeof SHM_PREFIX, &end, 10);
+    return pid > 0 && *end == '-' ? (pid_t)pid : 0;
+}
+
+/* Between polls for rank 0's segment: whether to stop (interrupted, or rank 0 is gone). */
+static mp_result keep_waiting(const char *name, double deadline, const mp_interrupt *interrupt, const char *what,
+                              char *err, size_t errlen)
+{
+    if (mp_interrupted(interrupt))
+        return MP_ERR_INTERRUPTED;
+    pid_t creator = creator_of(name);
+    if (creator && kill(creator, 0) != 0 && errno == ESRCH) {
+        snprintf(err, errlen, "rank 0 (pid %d) exited before it %s shared-memory segment %s", (int)creator, what,
+                 name);
+        return MP_ERR_PEER_DEAD;
+    }
+    if (mp_now() > deadline) {
+        snprintf(err, errlen, "timed out waiting for rank 0 to %s shared-memory segment %s", what, name);
+        return MP_ERR_TIMEOUT;
+    }
+    return MP_OK;
+}
+
+static mp_result attach_segment(const char *name, uint64_t total, double deadline, const mp_interrupt *interrupt,
+                                int *fd_out, char *err, size_t errlen)
 {
     for (;;) {
         int fd = shm_open(name, O_RDWR, 0);
@@ -106,22 +135,21 @@ static mp_result attach_segment(const char *name, uint64_t total, double deadlin
         } else if (errno != ENOENT) {
             return fail(err, errlen, "cannot open shared-memory segment", name, errno);
         }
-        if (mp_now() > deadline) {
-            snprintf(err, errlen, "timed out waiting for rank 0 to create shared-memory segment %s", name);
-            return MP_ERR_TIMEOUT;
-        }
+        mp_result r = keep_waiting(name, deadline, interrupt, "created", err, errlen);
+        if (r != MP_OK)
+            return r;
         usleep(1000);
     }
 }
 
 mp_result shm_segment_map(const char *name, int create, int size, int nlanes, uint64_t eager_threshold,
-                          double deadline, shm_view *v, char *err, size_t errlen)
+                          double deadline, const mp_interrupt *interrupt, shm_view *v, char *err, size_t errlen)
 {
     shm_layout lay;
     shm_layout_compute(size, nlanes, eager_threshold, &lay);
     int fd = -1;
     mp_result r = create ? create_segment(name, lay.total, &fd, err, errlen)
-                         : attach_segment(name, lay.total, deadline, &fd, err, errlen);
+                         : attach_segment(name, lay.total, deadline, interrupt, &fd, err, errlen);
     if (r != MP_OK)
         return r;
     void *base = mmap(NULL, lay.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -149,10 +177,10 @@ mp_result shm_segment_map(const char *name, int create, int size, int nlanes, ui
         return MP_OK;
     }
     while (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHM_MAGIC) {
-        if (mp_now() > deadline) {
-            snprintf(err, errlen, "timed out waiting for rank 0 to initialise shared-memory segment %s", name);
+        r = keep_waiting(name, deadline, interrupt, "initialised", err, errlen);
+        if (r != MP_OK) {
             shm_segment_unmap(v);
-            return MP_ERR_TIMEOUT;
+            return r;
         }
         usleep(1000);
     }

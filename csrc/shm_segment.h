@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "interrupt.h"
 #include "result.h"
 
 #define SHM_MAGIC 0x6d70327073686d31ULL /* "mp2pshm1" */
@@ -151,7 +152,7 @@ void shm_layout_compute(int size, int nlanes, uint64_t eager_threshold, shm_layo
  * until the creator has published the header or `deadline` passes, then checks that the header
  * agrees with this rank's arguments. */
 mp_result shm_segment_map(const char *name, int create, int size, int nlanes, uint64_t eager_threshold,
-                          double deadline, shm_view *v, char *err, size_t errlen);
+                          double deadline, const mp_interrupt *interrupt, shm_view *v, char *err, size_t errlen);
 void shm_segment_unmap(shm_view *v);
 /* Removes segments whose creating process no longer exists. */
 void shm_segment_sweep_stale(void);

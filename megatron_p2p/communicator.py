@@ -3,9 +3,10 @@ carries it to the other ranks, and every rank attaches."""
 from __future__ import annotations
 
 import atexit
-import datetime
 import functools
+import logging
 import os
+import time
 import weakref
 from typing import Optional
 
@@ -16,7 +17,12 @@ from . import _C, flight_recorder, nccl, watchdog
 
 BACKENDS = ("shm", "nccl", "auto")
 _STORE_PREFIX = "megatron_p2p"
+# Creation polls the store for rank 0's keys, backing off to this period, so that Ctrl-C (any
+# Python signal handler) gets a turn while it waits. (A timed-out store.wait() logs a warning.)
+_STORE_POLL_MAX = 0.05
 _live: "weakref.WeakSet[_C.Communicator]" = weakref.WeakSet()
+_log = logging.getLogger(__name__)
+_told_no_single_copy = False
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -49,6 +55,28 @@ def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, in
         )
     store, me, world = _env_rendezvous()
     return store, me, list(range(world))
+
+
+def _store_get(store: dist.Store, key: str, timeout: float, rank0_pid: Optional[int]) -> bytes:
+    """The value of `key` once rank 0 has set it. A store that is gone means its host died:
+    rank 0's process, or torchrun's agent; either way the group cannot form."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    try:
+        while not store.check([key]):
+            if time.monotonic() >= deadline:
+                raise _C.P2PTimeoutError(
+                    f"rank 0 did not publish the communicator's unique id within {timeout:g} s (store key {key})"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, _STORE_POLL_MAX)
+        return store.get(key)
+    except dist.DistNetworkError as e:
+        pid = f"pid {rank0_pid}" if rank0_pid is not None else "pid not yet published"
+        raise _C.PeerFailureError(
+            f"the store that carries the communicator's unique id is gone while waiting for rank 0 ({pid}): "
+            f"its host process exited ({e})"
+        ) from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,12 +137,14 @@ def init_communicator(
     # every member lands in the same generation.
     generation = (store.add(f"{base}/count", 1) - 1) // len(ranks)
     key = f"{base}/{generation}/id"
+    pid_key = f"{base}/{generation}/rank0_pid"
     if group_rank == 0:
+        store.set(pid_key, str(os.getpid()))
         unique_id = _C.new_unique_id() if backend == "shm" else b"".join(_C.nccl_unique_id() for _ in range(lanes))
         store.set(key, unique_id)
     else:
-        store.wait([key], datetime.timedelta(seconds=timeout))
-        unique_id = store.get(key)
+        rank0_pid = int(_store_get(store, pid_key, timeout, None))
+        unique_id = _store_get(store, key, timeout, rank0_pid)
         if backend == "shm":
             unique_id = unique_id.decode()
     common = dict(lanes=lanes, timeout=float(timeout))
@@ -123,6 +153,8 @@ def init_communicator(
             "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
             single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), **common,
         )
+        if _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
+            _tell_if_no_single_copy(comm, ranks)
     else:
         relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)
         with torch.cuda.device(dev.index):
@@ -135,6 +167,19 @@ def init_communicator(
     _live.add(comm)
     flight_recorder.install(comm)
     return comm
+
+
+def _tell_if_no_single_copy(comm: _C.Communicator, ranks: list[int]) -> None:
+    """Once per process: single copy (process_vm_readv) was refused, e.g. by ptrace rules or a
+    seccomp filter, so transfers take the bounce path through shared memory (two copies)."""
+    global _told_no_single_copy
+    refused = [ranks[p] for p in range(len(ranks)) if p != comm.rank and not comm.single_copy(p)]
+    if refused and not _told_no_single_copy:
+        _told_no_single_copy = True
+        _log.warning(
+            "megatron_p2p: single copy from ranks %s is refused by the kernel (process_vm_readv denied); "
+            "their messages take the bounce path through shared memory (two copies)", refused,
+        )
 
 
 @atexit.register

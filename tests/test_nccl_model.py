@@ -297,6 +297,11 @@ def test_ctrl_c_leaves_a_host_wait_within_200_ms_leaving_the_op_pending_for_abor
     assert v["after_abort"]["type"] is not None and v["after_abort"]["elapsed"] < 0.5, v
 
 
+def test_ctrl_c_leaves_creation_whose_peer_never_joins_within_200_ms():
+    v = run_one("nccl_model_findings.py", {"case": "create_interrupt"})
+    assert v["interrupted"] and 0.3 <= v["left_after"] < 0.55, v
+
+
 STUCK_GROUP_END = {  # every group after each lane's warm-up answers ncclInProgress for 3 s
     "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "3000",
     "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1",

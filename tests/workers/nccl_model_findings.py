@@ -3,6 +3,7 @@
   refused  the driver refuses every cuCtxSetCurrent after creation: what an exchange does then
   interrupt SIGINT 0.3 s into a host wait on an op that never completes: how soon the wait
            leaves, whether the op is still pending, and what abort() then makes of it
+  create_interrupt SIGINT 0.3 s into creating a two-rank communicator whose rank 1 never comes
   abort    an exchange stuck in ncclGroupEnd's ncclInProgress, and abort() from another thread
   close    close() with an exchange pending that the fake never runs (the rank is silent)
   watch    an exchange waited on the stream only (Request.wait()), then the host idles past the
@@ -35,6 +36,20 @@ def body(params):
         ctx = ctypes.c_void_p()
         assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
         assert cuda.cuCtxSetCurrent(ctx) == 0
+    if case == "create_interrupt":
+        import signal
+
+        mp.nccl_version()  # loads libnccl, as init_communicator does
+        ids = b"".join(mp._C.nccl_unique_id() for _ in range(2))
+        threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            mp._C.Communicator("nccl", ids, 0, [0, 1], device=0, stream=mp.nccl.stream_handle(0), timeout=20.0)
+            out["interrupted"] = False
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+        out["left_after"] = time.monotonic() - start
+        return out
     seen = {}
     if case == "context":
         cuda.cuInit(0)

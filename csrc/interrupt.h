@@ -1,0 +1,17 @@
+/* Lets a transport's long blocking call (creating a communicator) give the caller a turn to stop
+ * it: the extension checks Python's signal handlers there, so Ctrl-C ends a creation that waits
+ * for a peer that never comes. */
+#ifndef MP_INTERRUPT_H
+#define MP_INTERRUPT_H
+
+typedef struct {
+    int (*raised)(void *arg); /* nonzero: stop waiting; the caller holds the reason */
+    void *arg;
+} mp_interrupt;
+
+static inline int mp_interrupted(const mp_interrupt *i)
+{
+    return i && i->raised(i->arg);
+}
+
+#endif
