@@ -101,8 +101,8 @@ static mp_result keep_waiting(const char *name, double deadline, const mp_interr
         return MP_ERR_INTERRUPTED;
     pid_t creator = creator_of(name);
     if (creator && kill(creator, 0) != 0 && errno == ESRCH) {
-        snprintf(err, errlen, "rank 0 (pid %d) exited before it %s shared-memory segment %s", (int)creator, what,
-                 name);
+        snprintf(err, errlen, "rank 0 (pid %d) exited before it could %s shared-memory segment %s", (int)creator,
+                 what, name);
         return MP_ERR_PEER_DEAD;
     }
     if (mp_now() > deadline) {
@@ -120,6 +120,14 @@ static mp_result attach_segment(const char *name, uint64_t total, double deadlin
         if (fd >= 0) {
             struct stat st;
             int ok = fstat(fd, &st) == 0;
+            if (ok && st.st_uid != geteuid()) { /* planted by someone who learnt the name */
+                snprintf(err, errlen,
+                         "shared-memory segment %s belongs to uid %u, not to this process's uid %u: refusing "
+                         "to attach",
+                         name, (unsigned)st.st_uid, (unsigned)geteuid());
+                close(fd);
+                return MP_ERR_SYSTEM;
+            }
             if (ok && (uint64_t)st.st_size == total) {
                 *fd_out = fd;
                 return MP_OK;
@@ -135,7 +143,7 @@ static mp_result attach_segment(const char *name, uint64_t total, double deadlin
         } else if (errno != ENOENT) {
             return fail(err, errlen, "cannot open shared-memory segment", name, errno);
         }
-        mp_result r = keep_waiting(name, deadline, interrupt, "created", err, errlen);
+        mp_result r = keep_waiting(name, deadline, interrupt, "create", err, errlen);
         if (r != MP_OK)
             return r;
         usleep(1000);
@@ -177,7 +185,7 @@ mp_result shm_segment_map(const char *name, int create, int size, int nlanes, ui
         return MP_OK;
     }
     while (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHM_MAGIC) {
-        r = keep_waiting(name, deadline, interrupt, "initialised", err, errlen);
+        r = keep_waiting(name, deadline, interrupt, "initialise", err, errlen);
         if (r != MP_OK) {
             shm_segment_unmap(v);
             return r;
@@ -210,12 +218,16 @@ void shm_segment_sweep_stale(void)
     if (!d)
         return;
     struct dirent *ent;
+    /* cppcheck-suppress readdirCalled ; readdir_r is deprecated: readdir is thread-safe on a stream of one's own */
     while ((ent = readdir(d)) != NULL) {
         if (strncmp(ent->d_name, SHM_PREFIX, sizeof SHM_PREFIX - 1) != 0)
             continue;
         char *end;
         long pid = strtol(ent->d_name + sizeof SHM_PREFIX - 1, &end, 10);
         if (pid <= 0 || *end != '-')
+            continue;
+        struct stat st; /* only our own: /dev/shm may be shared with other users' jobs */
+        if (fstatat(dirfd(d), ent->d_name, &st, 0) != 0 || st.st_uid != geteuid())
             continue;
         if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
             char path[300];
