@@ -19,8 +19,9 @@ typedef struct {
     PyObject *PeerFailureError;
     PyObject *BackendUnavailableError;
     PyObject *tensor_type;   /* torch.Tensor */
+    PyObject *strided;       /* torch.strided: the one layout whose bytes are its values */
     PyObject *dtype_codes;   /* {torch.dtype: mp_dtype code} */
-    PyObject *str_shape, *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_untyped_storage, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device;
+    PyObject *str_shape, *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_untyped_storage, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device, *str_layout, *str_is_nested, *str_is_conj, *str_is_neg;
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;
 } mp_state;

@@ -138,8 +138,48 @@ static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_prior
     return r;
 }
 
-static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy, mp_transport **t, char *err,
-                          size_t errlen)
+/* The group's pids (from the store), or NULL when not given; -1 with an exception on bad input. */
+static int parse_pids(CommObject *self, PyObject *obj, int **out)
+{
+    *out = NULL;
+    if (obj == Py_None)
+        return 0;
+    PyObject *seq = PySequence_Fast(obj, "pids must be a sequence of process ids, one per group rank");
+    if (!seq)
+        return -1;
+    int rc = -1;
+    if (PySequence_Fast_GET_SIZE(seq) != self->size) {
+        PyErr_Format(PyExc_ValueError, "pids must hold one process id per group rank (%d), got %zd", self->size,
+                     PySequence_Fast_GET_SIZE(seq));
+        goto out;
+    }
+    *out = PyMem_Calloc((size_t)self->size, sizeof(int));
+    if (!*out) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (int r = 0; r < self->size; r++) {
+        long pid = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, r));
+        if (pid == -1 && PyErr_Occurred())
+            goto out;
+        if (pid <= 0 || pid > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "pids[%d] must be a process id, got %ld", r, pid);
+            goto out;
+        }
+        (*out)[r] = (int)pid;
+    }
+    rc = 0;
+out:
+    Py_DECREF(seq);
+    if (rc < 0) {
+        PyMem_Free(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy, const int *pids, mp_transport **t,
+                          char *err, size_t errlen)
 {
     const char *name = PyUnicode_Check(unique_id) ? PyUnicode_AsUTF8(unique_id) : NULL;
     if (!name || strlen(name) >= MP_SHM_NAME_LEN || name[0] != '/' || strchr(name + 1, '/')) {
@@ -157,6 +197,7 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
         .timeout = self->timeout,
         .allow_cma = single_copy,
         .global_rank = self->global_ranks[self->group_rank],
+        .pids = pids,
     };
     signal_check check = {.next_check = mp_now() + SIGNAL_CHECK_PERIOD};
     mp_interrupt interrupt = {python_signal_raised, &check};
@@ -170,15 +211,15 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"backend", "unique_id", "group_rank", "ranks", "lanes", "eager_threshold", "timeout",
-                             "single_copy", "device", "stream", "high_priority", "on_abort", "check", NULL};
+                             "single_copy", "device", "stream", "high_priority", "on_abort", "check", "pids", NULL};
     const char *backend;
     int group_rank, lanes = 2, single_copy = 1, device = -1, high_priority = 0, check = 0;
-    PyObject *unique_id, *ranks, *stream_fn = Py_None, *on_abort = Py_None;
+    PyObject *unique_id, *ranks, *stream_fn = Py_None, *on_abort = Py_None, *pids_obj = Py_None;
     unsigned long long eager = 0;
     double timeout = 300.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpOp:Communicator", kwlist, &backend, &unique_id,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpOpO:Communicator", kwlist, &backend, &unique_id,
                                      &group_rank, &ranks, &lanes, &eager, &timeout, &single_copy, &device,
-                                     &stream_fn, &high_priority, &on_abort, &check))
+                                     &stream_fn, &high_priority, &on_abort, &check, &pids_obj))
         return NULL;
     mp_state *st = mp_state_from_type(type);
     int is_nccl = strcmp(backend, "nccl") == 0;
@@ -239,11 +280,15 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (set_id(self, unique_id) < 0)
         goto fail;
 
+    int *pids;
+    if (parse_pids(self, pids_obj, &pids) < 0)
+        goto fail;
     char err[2048] = "";
     int unavailable = 0;
     mp_transport *t = NULL;
     mp_result r = is_nccl ? open_nccl(self, unique_id, high_priority, &t, err, sizeof err, &unavailable)
-                          : open_shm(self, unique_id, single_copy, &t, err, sizeof err);
+                          : open_shm(self, unique_id, single_copy, pids, &t, err, sizeof err);
+    PyMem_Free(pids);
     if (r == MP_ERR_INTERRUPTED) /* the signal handler's exception is set */
         goto fail;
     if (r != MP_OK) {
@@ -406,6 +451,9 @@ static int group_rank_of(CommObject *self, PyObject *peer_obj, const char *what)
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError, "%s must be an int global rank, not %.100s", what, Py_TYPE(peer_obj)->tp_name);
+        } else if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s = %R is not a rank of this communicator", what, peer_obj);
         }
         return -1;
     }
@@ -767,14 +815,17 @@ static PyObject *comm_irecv(CommObject *self, PyObject *args, PyObject *kwargs) 
 static PyObject *comm_batch(CommObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"ops", "lane", "call", NULL};
-    PyObject *arg;
-    int lane = 0;
+    PyObject *arg, *lane_obj = NULL;
     const char *call = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$iz:batch", kwlist, &arg, &lane, &call))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$Oz:batch", kwlist, &arg, &lane_obj, &call))
         return NULL;
-    if (lane < 0 || lane >= self->nlanes)
-        return PyErr_Format(PyExc_ValueError, "lane must be 0%s for this communicator of %d lane(s), got %d",
-                            self->nlanes > 1 ? " or 1" : "", self->nlanes, lane);
+    int overflow = 0;
+    long lane = lane_obj ? PyLong_AsLongAndOverflow(lane_obj, &overflow) : 0;
+    if (lane == -1 && PyErr_Occurred())
+        return NULL;
+    if (overflow || lane < 0 || lane >= self->nlanes)
+        return PyErr_Format(PyExc_ValueError, "lane must be 0%s for this communicator of %d lane(s), got %R",
+                            self->nlanes > 1 ? " or 1" : "", self->nlanes, lane_obj);
     PyObject *seq = PySequence_Fast(arg, "batch() takes a sequence of (is_send, tensor, peer) tuples");
     if (!seq)
         return NULL;
@@ -887,10 +938,22 @@ static PyObject *comm_stats(CommObject *self, PyObject *Py_UNUSED(ignored))
                          self->wait_seconds);
 }
 
+static PyObject *comm_check_tensor(CommObject *self, PyObject *args)
+{
+    PyObject *tensor;
+    const char *what = "tensor";
+    if (!PyArg_ParseTuple(args, "O|s:check_tensor", &tensor, &what))
+        return NULL;
+    mp_buffer buf;
+    if (mp_read_tensor(self->state, tensor, what, self->device, &buf) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *comm_single_copy(CommObject *self, PyObject *peer)
 {
-    if (check_usable(self) < 0)
-        return NULL;
+    if (!self->transport) /* a query: an aborted communicator still answers it */
+        return PyErr_Format(self->state->P2PError, "communicator is closed");
     int r = group_rank_of(self, peer, "peer");
     if (r < 0)
         return NULL;
@@ -1043,6 +1106,9 @@ static PyMethodDef comm_methods[] = {
      "the ops whose device work has completed; when device work has been pending longer than the timeout, or "
      "NCCL reports an asynchronous error, aborts the lane communicators and returns the exception (not raised) "
      "whose report the next call on this communicator raises. Always None on shm, whose waits time themselves."},
+    {"check_tensor", (PyCFunction)comm_check_tensor, METH_VARARGS,
+     "check_tensor(tensor, name='tensor') -> None\n\nRaises the TypeError or ValueError that posting `tensor` on "
+     "this communicator would raise, naming it `name`; posts nothing."},
     {"single_copy", (PyCFunction)comm_single_copy, METH_O,
      "single_copy(peer) -> bool: whether large messages from `peer` arrive with one copy (CMA)."},
     {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},

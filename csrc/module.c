@@ -3,6 +3,7 @@
 #include "dtype.h"
 #include "plan.h"
 #include "shm.h"
+#include "shm_corrupt.h"
 
 static struct PyModuleDef module_def;
 extern PyMethodDef mp_nccl_methods[];
@@ -22,6 +23,20 @@ static PyObject *new_unique_id(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ign
     if (mp_shm_new_name(name, sizeof name) != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     return PyUnicode_FromString(name);
+}
+
+static PyObject *check_tensor(PyObject *mod, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"tensor", "name", "device", NULL};
+    PyObject *tensor;
+    const char *what = "tensor";
+    int device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|si:check_tensor", kwlist, &tensor, &what, &device))
+        return NULL;
+    mp_buffer buf;
+    if (mp_read_tensor(state_of(mod), tensor, what, device, &buf) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *plan(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kwargs)
@@ -77,12 +92,55 @@ static PyObject *plan(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kwargs
     return out;
 }
 
+static void append_line(void *list, const char *line)
+{
+    if (PyErr_Occurred())
+        return;
+    PyObject *text = PyUnicode_DecodeUTF8(line, (Py_ssize_t)strlen(line), "replace");
+    if (text && PyList_Append((PyObject *)list, text) == 0)
+        Py_DECREF(text);
+    else
+        Py_XDECREF(text);
+}
+
+static PyObject *corrupt_segment(PyObject *mod, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"comm", "seed", "fields", NULL};
+    PyObject *comm;
+    unsigned long long seed;
+    int fields = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OK|i:_corrupt_segment", kwlist, &comm, &seed, &fields))
+        return NULL;
+    if (!PyObject_TypeCheck(comm, state_of(mod)->CommunicatorType))
+        return PyErr_Format(PyExc_TypeError, "comm must be a Communicator, not %.100s", Py_TYPE(comm)->tp_name);
+    mp_transport *t = ((CommObject *)comm)->transport;
+    const shm_view *v = t ? mp_shm_view(t) : NULL;
+    if (!v)
+        return PyErr_Format(PyExc_ValueError, "comm must be a live communicator of the shm backend");
+    if (fields < 1)
+        return PyErr_Format(PyExc_ValueError, "fields must be at least 1, got %d", fields);
+    PyObject *lines = PyList_New(0);
+    if (!lines)
+        return NULL;
+    mp_shm_corrupt(v, (uint64_t)seed, fields, append_line, lines);
+    if (PyErr_Occurred())
+        Py_CLEAR(lines);
+    return lines;
+}
+
 static PyMethodDef module_methods[] = {
     {"new_unique_id", new_unique_id, METH_NOARGS,
      "new_unique_id() -> str: an unguessable shared-memory segment name for a new communicator."},
+    {"check_tensor", (PyCFunction)(void (*)(void))check_tensor, METH_VARARGS | METH_KEYWORDS,
+     "check_tensor(tensor, name='tensor', device=-1) -> None\n\nRaises the TypeError or ValueError that posting "
+     "`tensor` would raise on a communicator of `device` (-1: the CPU), naming it `name`; posts nothing."},
     {"plan", (PyCFunction)(void (*)(void))plan, METH_VARARGS | METH_KEYWORDS,
      "plan(mode, lanes, rank, ops, prev_is_self=False, next_is_self=False) -> [(lane, (op, ...)), ...]\n\n"
      "The steps an exchange of `ops` issues on group rank `rank`, in issue order."},
+    {"_corrupt_segment", (PyCFunction)(void (*)(void))corrupt_segment, METH_VARARGS | METH_KEYWORDS,
+     "_corrupt_segment(comm, seed, fields=1) -> [str, ...]\n\n"
+     "Test-only: overwrites `fields` fields of the live shm segment of `comm`, chosen by `seed`, with garbage "
+     "(as a hostile or broken peer could), and describes each. Never call it on a communicator you need."},
     {NULL},
 };
 
@@ -102,8 +160,9 @@ static int load_torch(mp_state *st)
     if (!torch)
         return -1;
     st->tensor_type = PyObject_GetAttrString(torch, "Tensor");
+    st->strided = PyObject_GetAttrString(torch, "strided");
     st->dtype_codes = PyDict_New();
-    int rc = st->tensor_type && st->dtype_codes ? 0 : -1;
+    int rc = st->tensor_type && st->strided && st->dtype_codes ? 0 : -1;
     for (int code = 0; rc == 0 && code < MP_NUM_DTYPES; code++) {
         PyObject *dt = PyObject_GetAttrString(torch, mp_dtype_name(code));
         if (!dt) {
@@ -160,6 +219,10 @@ static int module_exec(PyObject *mod)
     INTERN(str_nbytes, "nbytes")
     INTERN(str_data_ptr, "data_ptr")
     INTERN(str_device, "device")
+    INTERN(str_layout, "layout")
+    INTERN(str_is_nested, "is_nested")
+    INTERN(str_is_conj, "is_conj")
+    INTERN(str_is_neg, "is_neg")
 #undef INTERN
     if (PyModule_AddFunctions(mod, mp_nccl_methods) < 0 || PyModule_AddFunctions(mod, mp_simulate_methods) < 0)
         return -1;
@@ -189,6 +252,7 @@ static int module_traverse(PyObject *mod, visitproc visit, void *arg)
     Py_VISIT(st->PeerFailureError);
     Py_VISIT(st->BackendUnavailableError);
     Py_VISIT(st->tensor_type);
+    Py_VISIT(st->strided);
     Py_VISIT(st->dtype_codes);
     Py_VISIT(st->CommunicatorType);
     Py_VISIT(st->RequestType);
@@ -205,6 +269,7 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->PeerFailureError);
     Py_CLEAR(st->BackendUnavailableError);
     Py_CLEAR(st->tensor_type);
+    Py_CLEAR(st->strided);
     Py_CLEAR(st->dtype_codes);
     Py_CLEAR(st->str_shape);
     Py_CLEAR(st->str_dtype);
@@ -216,6 +281,10 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->str_nbytes);
     Py_CLEAR(st->str_data_ptr);
     Py_CLEAR(st->str_device);
+    Py_CLEAR(st->str_layout);
+    Py_CLEAR(st->str_is_nested);
+    Py_CLEAR(st->str_is_conj);
+    Py_CLEAR(st->str_is_neg);
     Py_CLEAR(st->CommunicatorType);
     Py_CLEAR(st->RequestType);
     return 0;

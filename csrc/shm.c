@@ -10,15 +10,19 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
+#include <sys/random.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include "clock.h"
 #include "dtype.h"
+#include "shm_corrupt.h"
 #include "shm_deadlock.h"
 #include "shm_segment.h"
 
@@ -33,8 +37,13 @@
  * period; a cycle seen in two rounds in a row, with nothing in it moved, is a deadlock. */
 #define WATCH_AFTER 20e-3
 #define WATCH_PERIOD 20e-3
+/* No process's buffer reaches past this address (x86-64's and arm64's user space): a sender's
+ * [addr, addr + nbytes) beyond it is garbage, not a message. */
+#define USER_SPACE_END (1ull << 48)
+#define MAX_THREADS_IN_WAIT (1u << 16) /* a bound on a rank's `driving` and `waiting` counts */
+#define EXIT_GRACE 0.2 /* seconds from a process unmapping its memory to its exit, at most */
 
-enum { PH_NEW = 0, PH_STREAM, PH_WAIT_DONE, PH_COPY, PH_SKIP };
+enum { PH_NEW = 0, PH_STREAM, PH_WAIT_DONE, PH_COPY_CMA, PH_COPY_BOUNCE, PH_SKIP };
 
 /* This process's view of a channel: sender fields for (lane, me -> peer), receiver fields for
  * (lane, peer -> me). */
@@ -45,6 +54,12 @@ typedef struct {
     uint64_t chunks_out; /* bounce chunks produced */
     uint64_t recv_next;  /* the next receive to serve: receives finish in order */
     uint64_t chunks_in;  /* bounce chunks consumed */
+    uint64_t copy_addr;  /* the sender's buffer of the receive being copied (one at a time) */
+    /* The peer's counters as last read: they never go back. */
+    uint64_t done_seen, consumed_seen, posted_seen, produced_seen;
+    /* Sender side: the channel's inline slots and bounce chunks are backed by memory (the
+     * segment is sparse; see shm_segment_commit). */
+    uint8_t inline_committed, bounce_committed;
 } chan_local;
 
 typedef struct {
@@ -72,16 +87,26 @@ typedef struct {
     _Atomic uint32_t completions; /* futex word for waiters in this process */
     _Atomic uint32_t waiters;
     _Atomic uint32_t watching; /* threads in a published wait (mirrors my shm_rank.waiting) */
+    _Atomic uint32_t driving;  /* threads progressing from a wait (mirrors my shm_rank.driving) */
+    _Atomic int corrupt;       /* 0; 1 while corrupt_why is written; 2 once it is final */
+    char corrupt_why[MP_DETAIL_LEN]; /* the first impossible value this rank read from the segment */
     int failed; /* abort or own fence seen, everything failed */
 
-    /* Between begin() and end() the posting thread collects the peers its own passes would
-     * wake and wakes each once at end(): a futex wake costs microseconds, and one exchange
-     * often sends twice to the same peer. Only that thread touches these. */
-    int in_call;
-    int deferring;
-    int deferred[4];
-    int ndeferred;
+    /* Guarded by `lock`. A rank whose ops come from several threads may post more while one
+     * of them waits (another may be computing): its waits never count as blocked. */
+    pthread_t poster;
+    int posters; /* 0, 1, or 2 for several */
 } shm_t;
+
+/* Between begin() and end() a posting thread collects the peers its own passes would wake and
+ * wakes each once at end(): a futex wake costs microseconds, and one exchange often sends twice
+ * to the same peer. Per thread, since several threads may post to one communicator at once. */
+static _Thread_local struct {
+    const void *in_call; /* the transport between its begin() and end() on this thread */
+    int deferring;       /* this thread's engine passes inside that call */
+    int n;
+    int peers[4];
+} deferred_wakes;
 
 static shm_t *as_shm(mp_transport *t) { return (shm_t *)t; }
 static shm_rank *my_slot(shm_t *s) { return shm_rank_at(&s->v, s->base.rank); }
@@ -100,16 +125,58 @@ static void ring_peer(shm_t *s, const mp_op *op)
 {
     if (op->peer == s->base.rank)
         return;
-    if (s->deferring) {
-        for (int i = 0; i < s->ndeferred; i++)
-            if (s->deferred[i] == op->peer)
+    if (deferred_wakes.deferring) {
+        for (int i = 0; i < deferred_wakes.n; i++)
+            if (deferred_wakes.peers[i] == op->peer)
                 return;
-        if (s->ndeferred < (int)(sizeof s->deferred / sizeof *s->deferred)) {
-            s->deferred[s->ndeferred++] = op->peer;
+        if (deferred_wakes.n < (int)(sizeof deferred_wakes.peers / sizeof *deferred_wakes.peers)) {
+            deferred_wakes.peers[deferred_wakes.n++] = op->peer;
             return;
         }
     }
     ring(s, op->peer);
+}
+
+static void shm_abort(mp_transport *t, mp_result cause, int rank, const char *why);
+
+/* A value read from the segment that no valid state holds: another process wrote garbage there.
+ * The first one is kept and the communicator aborted, so that the peers fail too. Returns 1: the
+ * engine's next pass fails everything pending. */
+static int found_corrupt(shm_t *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int found_corrupt(shm_t *s, const char *fmt, ...)
+{
+    int none = 0;
+    if (atomic_compare_exchange_strong(&s->corrupt, &none, 1)) {
+        int n = snprintf(s->corrupt_why, sizeof s->corrupt_why, "corrupt segment: ");
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(s->corrupt_why + n, sizeof s->corrupt_why - (size_t)n, fmt, ap);
+        va_end(ap);
+        atomic_store_explicit(&s->corrupt, 2, memory_order_release);
+        shm_abort(&s->base, MP_ERR_CORRUPT, s->base.rank, s->corrupt_why);
+    }
+    return 1;
+}
+
+/* Reads a counter the peer of `op` advances on their channel: it never goes back, and never
+ * passes `limit`, what this rank has made possible (or, with `limit_word`, what the peer has
+ * issued, read after it). Returns 0, or -1 once the segment is reported corrupt. */
+static int read_counter(shm_t *s, const mp_op *op, _Atomic uint64_t *word, const char *name, uint64_t *seen,
+                        _Atomic uint64_t *limit_word, uint64_t limit, uint64_t *out)
+{
+    uint64_t v = atomic_load_explicit(word, memory_order_acquire);
+    if (limit_word)
+        limit = atomic_load_explicit(limit_word, memory_order_acquire);
+    if (v < *seen || v > limit) {
+        found_corrupt(s, "%s = %llu on lane %d %s rank %d, outside [%llu, %llu]", name, (unsigned long long)v,
+                      op->lane, op->kind == MP_SEND ? "to" : "from", op->peer_global, (unsigned long long)*seen,
+                      (unsigned long long)limit);
+        return -1;
+    }
+    *seen = v;
+    *out = v;
+    return 0;
 }
 
 /* ---- completion ---------------------------------------------------------------------- */
@@ -150,6 +217,11 @@ static void fail_step(shm_t *s, mp_step *step, mp_result r, const char *why)
 
 static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_t len)
 {
+    if (cause == MP_ERR_CORRUPT && rank == s->base.rank && atomic_load(&s->corrupt)) {
+        int final = atomic_load_explicit(&s->corrupt, memory_order_acquire) == 2;
+        snprintf(buf, len, "%s", final ? s->corrupt_why : "corrupt segment");
+        return;
+    }
     switch (cause) {
     case MP_ERR_TIMEOUT:
         snprintf(buf, len, "communicator aborted: rank %d timed out waiting for its ops", rank);
@@ -167,8 +239,12 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
     default: {
         shm_header *h = shm_hdr(&s->v);
         int told = atomic_load_explicit(&h->abort_why_ready, memory_order_acquire);
-        snprintf(buf, len, "communicator aborted by rank %d (%s)%s%.*s", rank, mp_result_str(cause), told ? ": " : "",
-                 (int)sizeof h->abort_why, told ? h->abort_why : "");
+        /* The reason lands just after the cause, and the segment may hold garbage there: a
+         * corrupt segment is named whatever the text says. */
+        const char *why = told ? h->abort_why : "";
+        const char *named = cause == MP_ERR_CORRUPT && strncmp(why, "corrupt segment", 15) != 0 ? "corrupt segment" : "";
+        snprintf(buf, len, "communicator aborted by rank %d (%s)%s%s%s%.*s", rank, mp_result_str(cause),
+                 named[0] || why[0] ? ": " : "", named, named[0] && why[0] ? "; " : "", (int)sizeof h->abort_why, why);
         break;
     }
     }
@@ -195,12 +271,50 @@ static void fail_queue(shm_t *s, step_queue *q, mp_result r, const char *why)
 /* ---- sends ------------------------------------------------------------------------------ */
 
 
+/* Backs a region of the channel with memory before its first write; a /dev/shm without room is
+ * an error of this send (and an abort, so that its receiver fails too), not a SIGBUS. */
+static int commit_region(shm_t *s, mp_step *step, mp_op *op, uint8_t *committed, char *addr, uint64_t len,
+                         const char *what)
+{
+    if (*committed)
+        return 0;
+    int e = shm_segment_commit(addr, len);
+    if (!e) {
+        *committed = 1;
+        return 0;
+    }
+    struct statvfs fs;
+    double free_mib = statvfs("/dev/shm", &fs) == 0 ? (double)fs.f_bavail * (double)fs.f_frsize / 1048576.0 : 0;
+    snprintf(op->detail, sizeof op->detail, "/dev/shm has %.1f MiB free, too little for the %s of the channel to "
+             "rank %d (%.1f MiB; %s); give /dev/shm more space (in a container, --shm-size)", free_mib, what,
+             op->peer_global, (double)len / 1048576.0, e == EFAULT ? "the kernel could not back it" : strerror(e));
+    shm_abort(&s->base, MP_ERR_SYSTEM, s->base.rank, op->detail);
+    finish(s, step, op, MP_ERR_SYSTEM);
+    return -1;
+}
+
 static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
 {
     if (cl->published != op->seq)
         return 0; /* an earlier send on this channel goes first */
-    if (atomic_load_explicit(&ch->done, memory_order_acquire) + SHM_NSLOTS <= op->seq)
+    uint64_t done;
+    if (read_counter(s, op, &ch->done, "done", &cl->done_seen, NULL, cl->published, &done) < 0)
+        return 1;
+    if (done + SHM_NSLOTS <= op->seq)
         return 0; /* every descriptor slot still holds an unfinished message */
+    uint8_t single_copy =
+        op->nbytes > s->v.lay.slot_bytes ? atomic_load_explicit(shm_cma_at(&s->v, op->peer, s->base.rank),
+                                                                memory_order_relaxed)
+                                         : 0;
+    if (single_copy > 1)
+        return found_corrupt(s, "single-copy flag of rank %d for this rank = %u", op->peer_global, single_copy);
+    int backed = op->nbytes <= s->v.lay.slot_bytes
+                     ? !op->nbytes || commit_region(s, step, op, &cl->inline_committed, shm_inline_at(&s->v, c, 0),
+                                                    (uint64_t)SHM_NSLOTS * s->v.lay.slot_bytes, "inline slots") == 0
+                     : single_copy || commit_region(s, step, op, &cl->bounce_committed, shm_chunk_at(&s->v, c, 0),
+                                                    (uint64_t)SHM_NCHUNKS * s->v.lay.chunk_bytes, "bounce buffer") == 0;
+    if (!backed)
+        return 1;
     shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
     sl->nbytes = op->nbytes;
     sl->dtype = op->dtype;
@@ -212,9 +326,7 @@ static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan
         if (op->nbytes)
             memcpy(shm_inline_at(&s->v, c, op->seq), op->buf, op->nbytes);
     } else {
-        sl->path = atomic_load_explicit(shm_cma_at(&s->v, op->peer, s->base.rank), memory_order_relaxed)
-                       ? SHM_PATH_CMA
-                       : SHM_PATH_BOUNCE;
+        sl->path = single_copy ? SHM_PATH_CMA : SHM_PATH_BOUNCE;
     }
     atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
     cl->published = op->seq + 1;
@@ -238,8 +350,12 @@ static int stream_send(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local
         return 0; /* the bounce buffer carries one message at a time, in order */
     uint64_t chunk = s->v.lay.chunk_bytes;
     int moved = 0;
-    while (op->progress < op->nbytes &&
-           cl->chunks_out - atomic_load_explicit(&ch->consumed, memory_order_acquire) < SHM_NCHUNKS) {
+    uint64_t consumed;
+    while (op->progress < op->nbytes) {
+        if (read_counter(s, op, &ch->consumed, "consumed", &cl->consumed_seen, NULL, cl->chunks_out, &consumed) < 0)
+            return 1;
+        if (cl->chunks_out - consumed >= SHM_NCHUNKS)
+            break;
         uint64_t n = op->nbytes - op->progress < chunk ? op->nbytes - op->progress : chunk;
         memcpy(shm_chunk_at(&s->v, c, cl->chunks_out), (char *)op->buf + op->progress, n);
         op->progress += n;
@@ -271,14 +387,34 @@ static int progress_send(shm_t *s, mp_step *step, mp_op *op)
     }
     if (op->phase == PH_STREAM)
         moved |= stream_send(s, op, c, ch, cl);
-    if (op->phase == PH_WAIT_DONE && atomic_load_explicit(&ch->done, memory_order_acquire) > op->seq) {
+    uint64_t done = 0;
+    if (op->phase == PH_WAIT_DONE &&
+        read_counter(s, op, &ch->done, "done", &cl->done_seen, NULL, cl->published, &done) < 0)
+        return 1;
+    if (op->phase == PH_WAIT_DONE && done > op->seq) {
         shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
-        mp_result r = (mp_result)sl->result;
+        uint32_t result = sl->result;
+        int32_t recv_dtype = sl->recv_dtype;
+        uint32_t recv_label = sl->recv_label;
+        /* What a receiver writes: its copy's outcome, and on a mismatch what it expected. */
+        if (result != MP_OK && result != MP_ERR_MISMATCH && result != MP_ERR_SYSTEM && result != MP_ERR_PEER_DEAD)
+            return found_corrupt(s, "result of message #%llu to rank %d = %u", (unsigned long long)op->seq,
+                                 op->peer_global, result);
+        if (result == MP_ERR_MISMATCH && (recv_dtype < 0 || recv_dtype >= MP_NUM_DTYPES || recv_label >= MP_NUM_LABELS))
+            return found_corrupt(s, "receiver's dtype %d / label %u of message #%llu to rank %d", recv_dtype,
+                                 recv_label, (unsigned long long)op->seq, op->peer_global);
+        /* A receiver that expects exactly what was sent saw another descriptor than this rank wrote. */
+        if (result == MP_ERR_MISMATCH && sl->recv_nbytes == op->nbytes && recv_dtype == op->dtype)
+            return found_corrupt(s, "descriptor of message #%llu to rank %d: nbytes or dtype changed after this rank "
+                                 "wrote %llu bytes of %s (the receiver expects those, and read others)",
+                                 (unsigned long long)op->seq, op->peer_global, (unsigned long long)op->nbytes,
+                                 mp_dtype_name(op->dtype));
+        mp_result r = (mp_result)result;
         if (r == MP_ERR_MISMATCH)
             snprintf(op->detail, sizeof op->detail,
                      "rank %d's %s expects %llu bytes of %s; this rank sent %llu bytes of %s", op->peer_global,
-                     mp_label_name((mp_label)(sl->recv_label % MP_NUM_LABELS)), (unsigned long long)sl->recv_nbytes,
-                     mp_dtype_name(sl->recv_dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
+                     mp_label_name((mp_label)recv_label), (unsigned long long)sl->recv_nbytes,
+                     mp_dtype_name(recv_dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
         else if (r != MP_OK)
             snprintf(op->detail, sizeof op->detail, "%s to rank %d failed at the receiver: %s",
                      mp_label_name(op->label), op->peer_global, mp_result_str(r));
@@ -302,25 +438,35 @@ static void recv_done(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_loc
 
 static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
 {
-    if (cl->recv_next != op->seq || atomic_load_explicit(&ch->posted, memory_order_acquire) <= op->seq)
+    if (cl->recv_next != op->seq)
+        return 0;
+    uint64_t posted;
+    if (read_counter(s, op, &ch->posted, "posted", &cl->posted_seen, &ch->send_issued, 0, &posted) < 0)
+        return 1;
+    if (posted <= op->seq)
         return 0;
     shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
-    /* Everything in the slot is the peer's word: check it before it sizes a copy. */
-    uint64_t nbytes = sl->nbytes;
+    /* Everything in the slot is the peer's word, read once and checked before it sizes a copy. */
+    uint64_t nbytes = sl->nbytes, addr = sl->addr;
     int32_t dtype = sl->dtype;
-    uint32_t path = sl->path;
-    if (path > SHM_PATH_BOUNCE || (path == SHM_PATH_INLINE && nbytes > s->v.lay.slot_bytes)) {
-        snprintf(op->detail, sizeof op->detail, "%s from rank %d: corrupt descriptor (path %u, %llu bytes)",
-                 mp_label_name(op->label), op->peer_global, path, (unsigned long long)nbytes);
-        recv_done(s, step, op, ch, cl, MP_ERR_CORRUPT);
-        return 1;
-    }
+    uint32_t path = sl->path, label = sl->label;
+    const char *bad = path > SHM_PATH_BOUNCE                                           ? "path"
+                    : dtype < 0 || dtype >= MP_NUM_DTYPES                               ? "dtype"
+                    : label >= MP_NUM_LABELS                                            ? "label"
+                    : (path == SHM_PATH_INLINE) != (nbytes <= s->v.lay.slot_bytes) || nbytes >= USER_SPACE_END
+                        ? "nbytes"
+                    : path != SHM_PATH_INLINE && (addr >= USER_SPACE_END || nbytes > USER_SPACE_END - addr) ? "addr"
+                                                                                                            : NULL;
+    if (bad)
+        return found_corrupt(s, "descriptor of message #%llu from rank %d: %s (path %u, %llu bytes of dtype %d at "
+                             "%#llx, label %u)", (unsigned long long)op->seq, op->peer_global, bad, path,
+                             (unsigned long long)nbytes, dtype, (unsigned long long)addr, label);
     if (nbytes != op->nbytes || dtype != op->dtype) {
         sl->recv_nbytes = op->nbytes;
         sl->recv_dtype = op->dtype;
         sl->recv_label = (uint32_t)op->label;
         snprintf(op->detail, sizeof op->detail, "rank %d's %s sent %llu bytes of %s; this rank expects %llu bytes of %s",
-                 op->peer_global, mp_label_name((mp_label)(sl->label % MP_NUM_LABELS)), (unsigned long long)nbytes,
+                 op->peer_global, mp_label_name((mp_label)label), (unsigned long long)nbytes,
                  mp_dtype_name(dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
         if (path == SHM_PATH_BOUNCE) {
             op->phase = PH_SKIP; /* drain the sender's chunks so the channel stays in step */
@@ -338,8 +484,9 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
         recv_done(s, step, op, ch, cl, MP_OK);
         return 1;
     }
-    op->phase = PH_COPY;
+    op->phase = path == SHM_PATH_CMA ? PH_COPY_CMA : PH_COPY_BOUNCE;
     op->progress = 0;
+    cl->copy_addr = addr;
     return 1;
 }
 
@@ -374,19 +521,33 @@ static mp_result cma_failure(shm_t *s, const mp_op *op, int err, char *detail, s
     return MP_ERR_PEER_DEAD;
 }
 
+/* Whether peer `r` exits within EXIT_GRACE: a process unmaps its memory just before it is gone,
+ * so a read that faults on a live peer's buffer is told from one that raced its exit. */
+static int exits_soon(shm_t *s, int r)
+{
+    for (double until = mp_now() + EXIT_GRACE; !peer_exited(s, r); usleep(1000))
+        if (mp_now() > until)
+            return 0;
+    return 1;
+}
+
 static int copy_cma(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local *cl)
 {
-    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
     uint64_t budget = COPY_CHUNK;
     while (op->progress < op->nbytes && budget) {
         uint64_t n = op->nbytes - op->progress;
         if (n > CMA_CHUNK)
             n = CMA_CHUNK;
         struct iovec local = {(char *)op->buf + op->progress, n};
-        struct iovec remote = {(void *)(uintptr_t)(sl->addr + op->progress), n};
+        struct iovec remote = {(void *)(uintptr_t)(cl->copy_addr + op->progress), n};
         ssize_t got = process_vm_readv(s->pids[op->peer], &local, 1, &remote, 1, 0);
+        int err = got < 0 ? errno : 0;
+        if (err == EFAULT && !exits_soon(s, op->peer))
+            return found_corrupt(s, "descriptor of message #%llu from rank %d: addr %#llx (%llu bytes) is not mapped "
+                                 "in its process, which lives on", (unsigned long long)op->seq, op->peer_global,
+                                 (unsigned long long)cl->copy_addr, (unsigned long long)op->nbytes);
         if (got <= 0) {
-            mp_result r = cma_failure(s, op, got < 0 ? errno : 0, op->detail, sizeof op->detail);
+            mp_result r = cma_failure(s, op, err, op->detail, sizeof op->detail);
             recv_done(s, step, op, ch, cl, r);
             return 1;
         }
@@ -403,7 +564,13 @@ static int copy_bounce(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan 
     uint64_t chunk = s->v.lay.chunk_bytes;
     uint64_t total = skip ? op->skip_total : op->nbytes;
     int moved = 0;
-    while (op->progress < total && atomic_load_explicit(&ch->produced, memory_order_acquire) > cl->chunks_in) {
+    uint64_t produced;
+    while (op->progress < total) {
+        if (read_counter(s, op, &ch->produced, "produced", &cl->produced_seen, NULL, cl->chunks_in + SHM_NCHUNKS,
+                         &produced) < 0)
+            return 1;
+        if (produced <= cl->chunks_in)
+            break;
         uint64_t n = total - op->progress < chunk ? total - op->progress : chunk;
         if (!skip)
             memcpy((char *)op->buf + op->progress, shm_chunk_at(&s->v, c, cl->chunks_in), n);
@@ -430,7 +597,7 @@ static int progress_recv(shm_t *s, mp_step *step, mp_op *op)
         return start_recv(s, step, op, c, ch, cl);
     if (op->phase == PH_SKIP)
         return copy_bounce(s, step, op, c, ch, cl, 1);
-    if (ch->slots[op->seq % SHM_NSLOTS].path == SHM_PATH_CMA)
+    if (op->phase == PH_COPY_CMA)
         return copy_cma(s, step, op, ch, cl);
     return copy_bounce(s, step, op, c, ch, cl, 0);
 }
@@ -444,8 +611,9 @@ static void activate(shm_t *s, mp_step *step)
         atomic_store_explicit(&op->state, MP_OP_ACTIVE, memory_order_relaxed);
         if (op->kind == MP_RECV) {
             shm_chan *ch = shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
+            /* Release: a peer that reads it then reads recv_issued, which must not look smaller. */
             if (atomic_load_explicit(&ch->recv_posted, memory_order_relaxed) < op->seq + 1)
-                atomic_store_explicit(&ch->recv_posted, op->seq + 1, memory_order_relaxed);
+                atomic_store_explicit(&ch->recv_posted, op->seq + 1, memory_order_release);
         }
     }
     step->activated = 1;
@@ -487,18 +655,46 @@ static void enqueue(step_queue *q, mp_step *step)
     q->tail = step;
 }
 
+/* Whether rank r's fence names a deadlock report that exists (or the overflow value once all
+ * are used); reports the segment corrupt when it cannot. */
+static int fence_valid(shm_t *s, int r, uint32_t fence)
+{
+    shm_header *h = shm_hdr(&s->v);
+    uint32_t used = __atomic_load_n(&h->reports_used, __ATOMIC_ACQUIRE);
+    uint32_t fenced = atomic_load(&h->fenced);
+    if (used <= SHM_REPORTS && fenced <= (uint32_t)s->base.size &&
+        (fence <= used || (fence == SHM_REPORTS + 1 && used == SHM_REPORTS)))
+        return 1;
+    found_corrupt(s, "fence of rank %d = %u (%u deadlock report(s) kept, %u rank(s) fenced)", r, fence, used, fenced);
+    return 0;
+}
+
 static mp_result shm_abort_cause(mp_transport *t, int *rank)
 {
-    shm_header *h = shm_hdr(&as_shm(t)->v);
-    mp_result cause = (mp_result)atomic_load(&h->abort_cause);
+    shm_t *s = as_shm(t);
+    shm_header *h = shm_hdr(&s->v);
+    uint32_t cause = atomic_load(&h->abort_cause);
+    int32_t by = atomic_load(&h->abort_rank);
+    if (!atomic_load(&s->corrupt) && cause > MP_ERR_INTERRUPTED)
+        found_corrupt(s, "abort_cause = %u, not a result code", cause);
+    else if (!atomic_load(&s->corrupt) && cause != MP_OK && (by < 0 || by >= t->size))
+        found_corrupt(s, "abort_rank = %d with abort_cause %u, in a group of %d", by, cause, t->size);
+    if (atomic_load(&s->corrupt)) {
+        if (rank)
+            *rank = t->rank;
+        return MP_ERR_CORRUPT;
+    }
     if (rank)
-        *rank = atomic_load(&h->abort_rank);
-    if (cause == MP_OK && atomic_load(&h->fenced) && atomic_load(&my_slot(as_shm(t))->fence)) {
+        *rank = by;
+    uint32_t fence = cause == MP_OK && atomic_load(&h->fenced) ? atomic_load(&my_slot(s)->fence) : 0;
+    if (fence) {
+        if (!fence_valid(s, t->rank, fence))
+            return shm_abort_cause(t, rank);
         cause = MP_ERR_DEADLOCK;
         if (rank)
             *rank = t->rank;
     }
-    return cause;
+    return (mp_result)cause;
 }
 
 /* Fails the ops of the active steps that nobody will ever serve, so that the rest of their lane
@@ -507,6 +703,8 @@ static mp_result shm_abort_cause(mp_transport *t, int *rank)
  * nothing more). The second needs each peer's state, so only blocked waits ask for it. */
 static int fail_unserved(shm_t *s, int departed)
 {
+    if (s->failed || shm_abort_cause(&s->base, NULL) != MP_OK)
+        return 0; /* an abort's own cause names what happened better: fail_everything() gives it */
     if (atomic_load(&my_slot(s)->fence))
         return 0; /* this rank is in the cycle itself: fail_everything() gives its ops DeadlockError */
     int failed = 0;
@@ -519,7 +717,10 @@ static int fail_unserved(shm_t *s, int departed)
             if (!op || op->peer == s->base.rank)
                 continue;
             shm_rank *peer = shm_rank_at(&s->v, op->peer);
-            if (atomic_load(&peer->fence)) {
+            uint32_t fence = atomic_load(&peer->fence);
+            if (fence && !fence_valid(s, op->peer, fence))
+                return 1;
+            if (fence) {
                 snprintf(op->detail, sizeof op->detail,
                          "rank %d, which this op needs, is in a wait-for cycle that can never resolve (the deadlock "
                          "report follows)", op->peer_global);
@@ -574,8 +775,31 @@ static void fail_everything(shm_t *s)
     s->failed = 1;
 }
 
+/* Every rank's header against what this rank recorded at attach and what its counts can be. */
+static int rank_headers_valid(shm_t *s)
+{
+    for (int r = 0; r < s->base.size; r++) {
+        shm_rank *sr = shm_rank_at(&s->v, r);
+        int32_t pid = atomic_load(&sr->pid);
+        uint32_t state = atomic_load(&sr->state), sleeping = atomic_load(&sr->sleeping);
+        uint32_t driving = atomic_load(&sr->driving), waiting = atomic_load(&sr->waiting);
+        if (pid != (int32_t)s->pids[r])
+            found_corrupt(s, "pid of rank %d = %d; it attached as pid %d", r, pid, (int)s->pids[r]);
+        else if (state != SHM_RANK_READY && state != SHM_RANK_CLOSED)
+            found_corrupt(s, "state of rank %d = %u", r, state);
+        else if (sleeping > 1 || driving > MAX_THREADS_IN_WAIT || waiting > MAX_THREADS_IN_WAIT)
+            found_corrupt(s, "rank %d's sleeping = %u, driving = %u, waiting = %u", r, sleeping, driving, waiting);
+        else
+            continue;
+        return 0;
+    }
+    return 1;
+}
+
 static void check_liveness(shm_t *s)
 {
+    if (!rank_headers_valid(s))
+        return;
     for (int r = 0; r < s->base.size; r++) {
         if (r == s->base.rank)
             continue;
@@ -643,7 +867,7 @@ static void *progress_main(void *arg)
         }
         /* A thread waiting in shm_wait drives progress itself; spinning here too would only
          * take its core. */
-        if (now - idle_since < SPIN_SECONDS && !atomic_load(&me->driving)) {
+        if (now - idle_since < SPIN_SECONDS && !atomic_load(&s->driving)) {
             mp_cpu_relax();
             continue;
         }
@@ -666,16 +890,19 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     step->activated = 0;
     step->settled = NULL;
     pthread_mutex_lock(&s->lock);
+    if (s->posters == 0 || (s->posters == 1 && !pthread_equal(s->poster, pthread_self())))
+        s->posters++;
+    s->poster = pthread_self();
     for (int i = 0; i < step->nops; i++) {
         mp_op *op = step->ops[i];
         op->index = i;
-        /* What this rank has issued, for peers judging whether it still owes them an op. */
-        if (op->kind == MP_SEND)
-            atomic_store_explicit(&shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, t->rank, op->peer))->send_issued,
-                                  op->seq + 1, memory_order_relaxed);
-        else
-            atomic_store_explicit(&shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, t->rank))->recv_issued,
-                                  op->seq + 1, memory_order_relaxed);
+        /* What this rank has issued, for peers judging whether it still owes them an op, and
+         * bounding the sends it publishes. Only raised: threads may post out of seq order. */
+        _Atomic uint64_t *issued =
+            op->kind == MP_SEND ? &shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, t->rank, op->peer))->send_issued
+                                : &shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, t->rank))->recv_issued;
+        if (atomic_load_explicit(issued, memory_order_relaxed) < op->seq + 1)
+            atomic_store_explicit(issued, op->seq + 1, memory_order_relaxed);
     }
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);
@@ -684,10 +911,10 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     /* Publish at once when the engine is free; otherwise its holder is running and the bell
      * makes sure it looks again. */
     if (pthread_mutex_trylock(&s->engine) == 0) {
-        s->deferring = s->in_call;
+        deferred_wakes.deferring = deferred_wakes.in_call == s;
         while (engine_pass(s))
             ;
-        s->deferring = 0;
+        deferred_wakes.deferring = 0;
         pthread_mutex_unlock(&s->engine);
     } else {
         ring(s, t->rank);
@@ -698,17 +925,20 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
 static mp_result shm_begin(mp_transport *t, void *stream)
 {
     (void)stream; /* CPU memory: nothing to order after */
-    as_shm(t)->in_call = 1;
+    deferred_wakes.in_call = t;
+    deferred_wakes.n = 0;
     return MP_OK;
 }
 
 static mp_result shm_end(mp_transport *t)
 {
     shm_t *s = as_shm(t);
-    s->in_call = 0;
-    for (int i = 0; i < s->ndeferred; i++)
-        ring(s, s->deferred[i]);
-    s->ndeferred = 0;
+    if (deferred_wakes.in_call != t)
+        return MP_OK;
+    for (int i = 0; i < deferred_wakes.n; i++)
+        ring(s, deferred_wakes.peers[i]);
+    deferred_wakes.n = 0;
+    deferred_wakes.in_call = NULL;
     return MP_OK;
 }
 
@@ -716,6 +946,7 @@ static mp_result shm_end(mp_transport *t)
 static void drive(shm_t *s, const mp_op *op, double deadline)
 {
     shm_rank *me = my_slot(s);
+    atomic_fetch_add(&s->driving, 1);
     atomic_fetch_add(&me->driving, 1);
     uint32_t seen = atomic_load(&me->bell);
     double calm_until = mp_now() + DRIVE_SPIN_SECONDS;
@@ -735,6 +966,7 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         }
     }
     atomic_fetch_sub(&me->driving, 1);
+    atomic_fetch_sub(&s->driving, 1);
     /* Rings that came after the last pass skipped the wake: hand them to the progress thread. */
     if (atomic_load(&me->bell) != seen && atomic_load(&me->sleeping))
         mp_futex_wake(&me->bell, 1);
@@ -778,7 +1010,9 @@ static void publish_pending(shm_t *s, const mp_op *waited)
     for (mp_step *st = s->incoming.head; st; st = st->next)
         publish_step(w, &n, st, waited);
     w->nops = n;
-    if (atomic_load(&s->watching) > 1)
+    /* Blocked only if no other thread of this rank can post: the waiter is the sole poster. */
+    if (atomic_load(&s->watching) > 1 || s->posters > 1 ||
+        (s->posters == 1 && !pthread_equal(s->poster, pthread_self())))
         w->wait_index = -2;
     w->epoch = atomic_load(&my_slot(s)->wait_epoch);
     atomic_fetch_add_explicit(&w->version, 1, memory_order_release);
@@ -809,7 +1043,17 @@ static void watch_round(shm_t *s, const mp_op *op, shm_cycle **seen)
     if (mp_op_done(op))
         return;
     publish_pending(s, op);
-    shm_cycle *cycle = shm_cycle_find(&s->v, s->base.rank, s->eager_threshold);
+    char corrupt[MP_DETAIL_LEN] = "";
+    shm_cycle *cycle = shm_cycle_find(&s->v, s->base.rank, s->eager_threshold, corrupt, sizeof corrupt);
+    if (corrupt[0])
+        found_corrupt(s, "%s", corrupt);
+    shm_header *h = shm_hdr(&s->v);
+    uint32_t lock = atomic_load(&h->detect_lock), used = __atomic_load_n(&h->reports_used, __ATOMIC_ACQUIRE);
+    if (cycle && (lock > (uint32_t)s->base.size || used > SHM_REPORTS)) {
+        found_corrupt(s, "detect_lock = %u, reports_used = %u", lock, used);
+        shm_cycle_free(cycle);
+        cycle = NULL;
+    }
     if (cycle && shm_cycle_same(cycle, *seen) && shm_cycle_fence(&s->v, cycle, s->pids))
         for (int r = 0; r < s->base.size; r++)
             ring(s, r);
@@ -858,11 +1102,24 @@ static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)
 static void shm_failure_report(mp_transport *t, const mp_op *op, char *buf, size_t len)
 {
     shm_t *s = as_shm(t);
+    int rank;
+    mp_result cause = shm_abort_cause(t, &rank);
+    if (cause == MP_ERR_CORRUPT) {
+        /* No deadlock report then (a fence may be the garbage); an op's own detail names the
+         * bad value already, a failed post does not. */
+        if (!op)
+            describe_cause(s, MP_ERR_CORRUPT, rank, buf, len);
+        else if (len)
+            buf[0] = '\0';
+        return;
+    }
     uint32_t fence = atomic_load(&my_slot(s)->fence);
     if (!fence && op && op->peer >= 0 && op->peer < t->size)
         fence = atomic_load(&shm_rank_at(&s->v, op->peer)->fence);
     if (fence)
         shm_deadlock_report(&s->v, fence, buf, len);
+    else if (!op && cause != MP_OK)
+        describe_cause(s, cause, rank, buf, len); /* a refused post: why the communicator was aborted */
     else if (len)
         buf[0] = '\0';
 }
@@ -912,7 +1169,7 @@ static void shm_destroy(mp_transport *t)
             fail_queue(s, &s->lanes[l], MP_ERR_CLOSED, why);
         pthread_mutex_unlock(&s->engine);
         /* Threads still in shm_wait see their op finished and leave; then `s` can go. */
-        while (atomic_load(&my_slot(s)->driving) || atomic_load(&s->waiters))
+        while (atomic_load(&s->driving) || atomic_load(&s->waiters)) /* the segment's copy may be garbage */
             usleep(100);
         atomic_store(&my_slot(s)->state, SHM_RANK_CLOSED);
         shm_segment_unmap(&s->v);
@@ -947,14 +1204,14 @@ static const mp_transport_ops shm_ops = {
 
 int mp_shm_new_name(char *buf, size_t len)
 {
-    unsigned char rnd[12];
-    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
-    ssize_t got = read(fd, rnd, sizeof rnd);
-    close(fd);
-    if (got != (ssize_t)sizeof rnd)
-        return -1;
+    /* 128 bits from getrandom: unguessable, and made even when every descriptor is in use. */
+    unsigned char rnd[16];
+    for (size_t have = 0; have < sizeof rnd;) {
+        ssize_t got = getrandom(rnd + have, sizeof rnd - have, 0);
+        if (got < 0 && errno != EINTR)
+            return -1;
+        have += got > 0 ? (size_t)got : 0;
+    }
     int n = snprintf(buf, len, "/mp2p-%d-", (int)getpid());
     for (size_t i = 0; i < sizeof rnd && n + 2 < (int)len; i++)
         n += snprintf(buf + n, len - (size_t)n, "%02x", rnd[i]);
@@ -963,13 +1220,15 @@ int mp_shm_new_name(char *buf, size_t len)
 
 /* Waits until `counter` reaches the group size; names the missing ranks when it does not. */
 static mp_result wait_all(shm_t *s, _Atomic uint32_t *counter, uint32_t min_state, double deadline,
-                          const mp_interrupt *interrupt, const char *what, char *err, size_t errlen)
+                          const mp_shm_config *cfg, const char *what, char *err, size_t errlen)
 {
     for (unsigned polls = 0; atomic_load(counter) < (uint32_t)s->base.size; polls++) {
-        if (mp_interrupted(interrupt))
+        if (mp_interrupted(cfg->interrupt))
             return MP_ERR_INTERRUPTED;
         for (int r = 0; polls % 64 == 0 && r < s->base.size; r++) {
             pid_t pid = (pid_t)atomic_load(&shm_rank_at(&s->v, r)->pid);
+            if (pid <= 0 && cfg->pids)
+                pid = cfg->pids[r];
             if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
                 snprintf(err, errlen, "rank %d (pid %d) exited before every rank could %s the shared-memory segment",
                          r, (int)pid, what);
@@ -1066,7 +1325,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     atomic_store(&me->state, SHM_RANK_ATTACHED);
     atomic_fetch_add(&h->attached, 1);
 
-    res = wait_all(s, &h->attached, SHM_RANK_ATTACHED, deadline, cfg->interrupt, "attach to", err, errlen);
+    res = wait_all(s, &h->attached, SHM_RANK_ATTACHED, deadline, cfg, "attach to", err, errlen);
     shm_unlink(cfg->name); /* everyone is in (or the job failed): the name is no longer needed */
     if (res != MP_OK) {
         shm_destroy(&s->base);
@@ -1080,8 +1339,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     probe_single_copy(s, cfg->allow_cma);
     atomic_store(&me->state, SHM_RANK_READY);
     atomic_fetch_add(&h->ready, 1);
-    res = wait_all(s, &h->ready, SHM_RANK_READY, deadline, cfg->interrupt, "finish connecting to", err,
-                   errlen);
+    res = wait_all(s, &h->ready, SHM_RANK_READY, deadline, cfg, "finish connecting to", err, errlen);
     if (res != MP_OK) {
         shm_destroy(&s->base);
         return res;
@@ -1094,6 +1352,11 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->thread_started = 1;
     *out = &s->base;
     return MP_OK;
+}
+
+const shm_view *mp_shm_view(mp_transport *t)
+{
+    return t && t->ops == &shm_ops ? &as_shm(t)->v : NULL;
 }
 
 int mp_shm_single_copy(mp_transport *t, int peer)

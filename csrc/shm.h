@@ -20,6 +20,8 @@ typedef struct {
     int allow_cma;            /* 0: always copy through shared memory (two copies) */
     int global_rank;          /* this rank's, for reports other ranks write */
     const mp_interrupt *interrupt; /* checked while waiting for the other ranks; may be NULL */
+    const int *pids;          /* each rank's pid, known before it attaches (may be NULL): a rank
+                               * that dies before attaching is then reported, not waited for */
 } mp_shm_config;
 
 #define MP_SHM_NAME_LEN 64

@@ -41,7 +41,21 @@ typedef struct {
     int *nedges;       /* -1: not computed */
     int *to;           /* [node][SHM_WATCH_OPS] */
     int *via;          /* op index in the rank's snapshot */
+    char *corrupt;     /* the first impossible value read, for the caller to report */
+    size_t corrupt_len;
 } graph;
+
+static void found_corrupt(graph *g, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void found_corrupt(graph *g, const char *fmt, ...)
+{
+    if (!g->corrupt_len || g->corrupt[0])
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->corrupt, g->corrupt_len, fmt, ap);
+    va_end(ap);
+}
 
 static shm_chan *chan(const shm_view *v, int lane, int src, int dst)
 {
@@ -70,19 +84,40 @@ static rank_view *view_of(graph *g, int r)
     if (atomic_load_explicit(&w->version, memory_order_relaxed) != before || rv->snap.epoch != epoch ||
         atomic_load(&sr->wait_epoch) != epoch)
         return rv;
+    /* A consistent snapshot: what it holds is what rank r wrote, or garbage. */
     shm_watch *s = &rv->snap;
     if (s->nops > SHM_WATCH_OPS || s->wait_index < -2 || s->wait_index >= (int32_t)s->nops || s->wait_lane < 0 ||
-        s->wait_lane >= g->v->nlanes)
+        s->wait_lane >= g->v->nlanes) {
+        found_corrupt(g, "rank %d's published wait: %u op(s), waits on #%d of lane %d", r, s->nops, s->wait_index,
+                      s->wait_lane);
         return rv;
+    }
     for (uint32_t i = 0; i < s->nops; i++) {
         const shm_watch_op *o = &s->ops[i];
         if ((o->kind != MP_SEND && o->kind != MP_RECV) || o->peer < 0 || o->peer >= g->v->size || o->lane < 0 ||
-            o->lane >= g->v->nlanes)
+            o->lane >= g->v->nlanes || o->dtype < 0 || o->dtype >= MP_NUM_DTYPES || o->label < 0 ||
+            o->label >= MP_NUM_LABELS) {
+            found_corrupt(g, "rank %d's published op #%u: kind %d, peer %d, lane %d, dtype %d, label %d", r, i,
+                          o->kind, o->peer, o->lane, o->dtype, o->label);
             return rv;
+        }
         s->ops[i].call[sizeof s->ops[i].call - 1] = '\0';
     }
     rv->state = 1;
     return rv;
+}
+
+/* A channel's counters, read in the order they are written: finished <= made active (or
+ * published) <= issued. Returns 0 and reports when they are not. */
+static int counters_valid(graph *g, const char *what, int lane, int src, int dst, _Atomic uint64_t *done,
+                          _Atomic uint64_t *active, _Atomic uint64_t *issued)
+{
+    uint64_t d = atomic_load(done), a = atomic_load(active), i = atomic_load(issued);
+    if (d <= a && a <= i)
+        return 1;
+    found_corrupt(g, "channel (lane %d, %d->%d): %llu done, %llu %s, %llu issued", lane, src, dst,
+                  (unsigned long long)d, (unsigned long long)a, what, (unsigned long long)i);
+    return 0;
 }
 
 static int op_complete(const graph *g, int r, const shm_watch_op *o)
@@ -107,6 +142,8 @@ static int blocker(graph *g, int r, const shm_watch_op *o, int *issued, uint64_t
     int active;
     if (o->kind == MP_SEND) {
         shm_chan *ch = chan(g->v, o->lane, r, p);
+        if (!counters_valid(g, "receive(s) active", o->lane, r, p, &ch->done, &ch->recv_posted, &ch->recv_issued))
+            return -1;
         if (is_eager(g, o)) {
             /* A buffered send waits only for a free descriptor slot: receive seq - SHM_NSLOTS done. */
             if (o->seq < SHM_NSLOTS || atomic_load(&ch->done) > o->seq - SHM_NSLOTS)
@@ -119,6 +156,8 @@ static int blocker(graph *g, int r, const shm_watch_op *o, int *issued, uint64_t
         *count = atomic_load(&ch->recv_issued);
     } else {
         shm_chan *ch = chan(g->v, o->lane, p, r);
+        if (!counters_valid(g, "published", o->lane, p, r, &ch->done, &ch->posted, &ch->send_issued))
+            return -1;
         active = atomic_load(&ch->posted) > need;
         *count = atomic_load(&ch->send_issued);
     }
@@ -222,10 +261,12 @@ static shm_cycle *make_cycle(graph *g, const int *stack, const int *next_edge, i
     return c;
 }
 
-shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold)
+shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold, char *corrupt, size_t corrupt_len)
 {
     size_t nodes = (size_t)v->size * NODE_KINDS;
-    graph g = {.v = v, .eager = eager_threshold};
+    graph g = {.v = v, .eager = eager_threshold, .corrupt = corrupt, .corrupt_len = corrupt_len};
+    if (corrupt_len)
+        corrupt[0] = '\0';
     g.views = calloc((size_t)v->size, sizeof *g.views);
     g.nedges = malloc(nodes * sizeof(int));
     g.to = malloc(nodes * SHM_WATCH_OPS * sizeof(int));
@@ -242,7 +283,7 @@ shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold)
     int top = 0, start = me * NODE_KINDS + NODE_WAIT;
     stack[0] = start;
     color[start] = 1;
-    while (top >= 0 && !found) {
+    while (top >= 0 && !found && !(corrupt_len && corrupt[0])) {
         int node = stack[top];
         if (g.nedges[node] < 0)
             compute_edges(&g, node);
@@ -263,6 +304,10 @@ shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold)
         }
     }
 done:
+    if (found && corrupt_len && corrupt[0]) {
+        free(found); /* built from a segment known to hold garbage */
+        found = NULL;
+    }
     free(g.views);
     free(g.nedges);
     free(g.to);

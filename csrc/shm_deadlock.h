@@ -12,8 +12,9 @@
 
 typedef struct shm_cycle shm_cycle;
 
-/* A cycle reachable from rank `me`'s wait, or NULL. */
-shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold);
+/* A cycle reachable from rank `me`'s wait, or NULL. A value no valid state holds stops the search
+ * and is described in `corrupt` (left "" otherwise). */
+shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold, char *corrupt, size_t corrupt_len);
 /* The same ranks, ops and waits: a cycle seen twice across a round is real (nothing in it moved). */
 int shm_cycle_same(const shm_cycle *a, const shm_cycle *b);
 /* Writes the report and fences the cycle's ranks, unless another rank is at it or one of them is

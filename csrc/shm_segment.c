@@ -49,9 +49,24 @@ void shm_layout_compute(int size, int nlanes, uint64_t eager_threshold, shm_layo
     out->total = round_up(off, 4096);
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+int shm_segment_commit(char *addr, uint64_t len)
+{
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)addr / page * page;
+    uintptr_t end = ((uintptr_t)addr + len + page - 1) / page * page;
+    if (madvise((void *)start, end - start, MADV_POPULATE_WRITE) == 0)
+        return 0;
+    return errno == EINVAL ? 0 : errno; /* EINVAL: an older kernel; the first write backs it */
+}
+
 static mp_result fail(char *err, size_t errlen, const char *what, const char *name, int e)
 {
-    snprintf(err, errlen, "%s %s: %s", what, name, strerror(e));
+    snprintf(err, errlen, "%s %s: %s%s", what, name, strerror(e),
+             e == EMFILE ? " (the process's RLIMIT_NOFILE is exhausted: raise it with `ulimit -n`)" : "");
     return MP_ERR_SYSTEM;
 }
 
@@ -103,6 +118,7 @@ static mp_result keep_waiting(const char *name, double deadline, const mp_interr
     if (creator && kill(creator, 0) != 0 && errno == ESRCH) {
         snprintf(err, errlen, "rank 0 (pid %d) exited before it could %s shared-memory segment %s", (int)creator,
                  what, name);
+        shm_unlink(name); /* its creator cannot any more */
         return MP_ERR_PEER_DEAD;
     }
     if (mp_now() > deadline) {
@@ -174,6 +190,17 @@ mp_result shm_segment_map(const char *name, int create, int size, int nlanes, ui
     v->nlanes = nlanes;
     shm_header *h = shm_hdr(v);
     if (create) {
+        int no_room = shm_segment_commit(base, lay.inline_data); /* the header, ranks and channels */
+        if (no_room) {
+            struct statvfs fs;
+            uint64_t avail = statvfs("/dev/shm", &fs) == 0 ? (uint64_t)fs.f_bavail * fs.f_frsize : 0;
+            snprintf(err, errlen, "/dev/shm has %llu MiB free; shared-memory segment %s needs %llu MiB for its "
+                     "control part alone (%s; in a container, raise --shm-size)", (unsigned long long)(avail >> 20),
+                     name, (unsigned long long)((lay.inline_data + (1u << 20) - 1) >> 20), strerror(no_room));
+            shm_segment_unmap(v);
+            shm_unlink(name);
+            return MP_ERR_SYSTEM;
+        }
         h->version = SHM_VERSION;
         h->size = (uint32_t)size;
         h->nlanes = (uint32_t)nlanes;

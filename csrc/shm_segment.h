@@ -148,6 +148,11 @@ static inline char *shm_chunk_at(const shm_view *v, uint32_t c, uint64_t chunk)
 
 void shm_layout_compute(int size, int nlanes, uint64_t eager_threshold, shm_layout *out);
 
+/* Backs [addr, addr + len) of the mapping with memory now. The segment is sparse, so a full
+ * /dev/shm would otherwise SIGBUS the first write to a page; this says so as an error instead:
+ * 0, or the errno (ENOMEM / EFAULT: no room). Writers call it before first touching a region. */
+int shm_segment_commit(char *addr, uint64_t len);
+
 /* Creates (mode 0600, exclusive) or attaches to `name` and maps it into `v`. Attaching retries
  * until the creator has published the header or `deadline` passes, then checks that the header
  * agrees with this rank's arguments. */

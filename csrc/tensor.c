@@ -24,12 +24,50 @@ static int get_u64(PyObject *obj, PyObject *name, int call, uint64_t *out)
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* Only a dense tensor's bytes are its values: sparse and mkldnn layouts keep them elsewhere, a
+ * nested tensor's data_ptr() may be 0, and a conjugate or negative view applies its bit lazily,
+ * so its bytes are not the values it reads as. */
+static int check_dense(mp_state *st, PyObject *obj, const char *what)
+{
+    PyObject *layout = PyObject_GetAttr(obj, st->str_layout);
+    if (!layout)
+        return -1;
+    if (layout != st->strided) {
+        PyErr_Format(PyExc_ValueError, "%s has layout %R; only dense (torch.strided) tensors have a plain-bytes wire "
+                     "format: pass tensor.to_dense()", what, layout);
+        Py_DECREF(layout);
+        return -1;
+    }
+    Py_DECREF(layout);
+    const struct {
+        PyObject *name;
+        int call;
+        const char *fix;
+    } views[] = {
+        {st->str_is_nested, 0, "a nested tensor has no single buffer: send its components"},
+        {st->str_is_conj, 1, "its conjugate bit is not applied to its bytes: pass tensor.resolve_conj()"},
+        {st->str_is_neg, 1, "its negative bit is not applied to its bytes: pass tensor.resolve_neg()"},
+    };
+    for (size_t i = 0; i < sizeof views / sizeof views[0]; i++) {
+        int set = get_true(obj, views[i].name, views[i].call);
+        if (set < 0)
+            return -1;
+        if (set) {
+            PyErr_Format(PyExc_ValueError, "%s: %s", what, views[i].fix);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp_buffer *out)
 {
     if (!PyObject_TypeCheck(obj, (PyTypeObject *)st->tensor_type)) {
         PyErr_Format(PyExc_TypeError, "%s must be a torch.Tensor, not %.100s", what, Py_TYPE(obj)->tp_name);
         return -1;
     }
+    if (check_dense(st, obj, what) < 0)
+        return -1;
     PyObject *dtype = PyObject_GetAttr(obj, st->str_dtype);
     if (!dtype)
         return -1;
@@ -78,6 +116,10 @@ int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp
     uint64_t ptr;
     if (get_u64(obj, st->str_nbytes, 0, &out->nbytes) < 0 || get_u64(obj, st->str_data_ptr, 1, &ptr) < 0)
         return -1;
+    if (!ptr && out->nbytes) {
+        PyErr_Format(PyExc_ValueError, "%s has %llu bytes but no data pointer", what, (unsigned long long)out->nbytes);
+        return -1;
+    }
     out->ptr = (void *)(uintptr_t)ptr;
     return 0;
 }
