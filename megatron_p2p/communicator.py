@@ -38,6 +38,8 @@ def _env_flag(name: str, default: bool) -> bool:
 
 def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, int, list[int]]:
     """The store to bootstrap through, this process's global rank, and the group's global ranks."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, not {type(group).__name__}")
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank()
@@ -57,17 +59,16 @@ def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, in
     return store, me, list(range(world))
 
 
-def _store_get(store: dist.Store, key: str, timeout: float, rank0_pid: Optional[int]) -> bytes:
-    """The value of `key` once rank 0 has set it. A store that is gone means its host died:
+def _store_get(store: dist.Store, key: str, timeout: float, rank: int, rank0_pid: Optional[int]) -> bytes:
+    """The value of `key` once its rank has set it. A store that is gone means its host died:
     rank 0's process, or torchrun's agent; either way the group cannot form."""
     deadline = time.monotonic() + timeout
     pause = 0.001
     try:
         while not store.check([key]):
             if time.monotonic() >= deadline:
-                raise _C.P2PTimeoutError(
-                    f"rank 0 did not publish the communicator's unique id within {timeout:g} s (store key {key})"
-                )
+                raise _C.P2PTimeoutError(f"group rank {rank} did not reach init_communicator within {timeout:g} s "
+                                         f"(store key {key})")
             time.sleep(pause)
             pause = min(2 * pause, _STORE_POLL_MAX)
         return store.get(key)
@@ -137,21 +138,24 @@ def init_communicator(
     # every member lands in the same generation.
     generation = (store.add(f"{base}/count", 1) - 1) // len(ranks)
     key = f"{base}/{generation}/id"
-    pid_key = f"{base}/{generation}/rank0_pid"
+    # Every rank's pid, so that a rank that dies before attaching is reported by name and pid.
+    pid_key = f"{base}/{generation}/pid"
+    store.set(f"{pid_key}/{group_rank}", str(os.getpid()))
     if group_rank == 0:
-        store.set(pid_key, str(os.getpid()))
+        pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, r, os.getpid())) for r in range(len(ranks))]
         unique_id = _C.new_unique_id() if backend == "shm" else b"".join(_C.nccl_unique_id() for _ in range(lanes))
         store.set(key, unique_id)
     else:
-        rank0_pid = int(_store_get(store, pid_key, timeout, None))
-        unique_id = _store_get(store, key, timeout, rank0_pid)
+        rank0_pid = int(_store_get(store, f"{pid_key}/0", timeout, 0, None))
+        unique_id = _store_get(store, key, timeout, 0, rank0_pid)
+        pids = [int(store.get(f"{pid_key}/{r}")) for r in range(len(ranks))]  # all set before the id
         if backend == "shm":
             unique_id = unique_id.decode()
     common = dict(lanes=lanes, timeout=float(timeout))
     if backend == "shm":
         comm = _C.Communicator(
             "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
-            single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), **common,
+            single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, **common,
         )
         if _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
             _tell_if_no_single_copy(comm, ranks)
@@ -173,7 +177,7 @@ def _tell_if_no_single_copy(comm: _C.Communicator, ranks: list[int]) -> None:
     """Once per process: single copy (process_vm_readv) was refused, e.g. by ptrace rules or a
     seccomp filter, so transfers take the bounce path through shared memory (two copies)."""
     global _told_no_single_copy
-    refused = [ranks[p] for p in range(len(ranks)) if p != comm.rank and not comm.single_copy(p)]
+    refused = [ranks[p] for p in range(len(ranks)) if p != comm.rank and not comm.single_copy(ranks[p])]
     if refused and not _told_no_single_copy:
         _told_no_single_copy = True
         _log.warning(

@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from . import p2p_communication
+from . import _C, p2p_communication
 from .program import Program, ProgramBuilder
 from .schedules import DEFAULT_TENSOR_BYTES, MODES, SCHEDULES, SLOTS, Rank, RankCall, emit, megatron_refusal
 
@@ -79,6 +79,11 @@ class RecordingCommunicator:
         self.prev_rank = ranks[(group_rank - 1) % len(ranks)]
         self.next_rank = ranks[(group_rank + 1) % len(ranks)]
         self._header = header
+
+    @staticmethod
+    def check_tensor(tensor: torch.Tensor, name: str = "tensor") -> None:
+        """What the shm communicator it stands for checks of a tensor before posting it."""
+        _C.check_tensor(tensor, name)
 
     def exchange(self, send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode="parity",
                  prev_rank=None, next_rank=None, call=None) -> dict[str, _Request]:

@@ -85,7 +85,10 @@ def requested_device(device: "torch.device | str | int | None", backend: str) ->
     if device is None:
         wants_cuda = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
         return torch.device("cuda" if wants_cuda else "cpu")
-    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    try:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as e:  # torch's word for a malformed device
+        raise ValueError(f"device {device!r} names no device: {e}") from None
 
 
 def require_gpu(device: torch.device) -> torch.device:

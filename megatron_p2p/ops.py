@@ -26,6 +26,8 @@ def group_ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
         raise RuntimeError("torch.distributed is not initialised: a process group cannot be resolved to ranks")
     if group is None or group is dist.GroupMember.WORLD:
         return tuple(range(dist.get_world_size()))
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, not {type(group).__name__}")
     return tuple(dist.get_process_group_ranks(group))
 
 

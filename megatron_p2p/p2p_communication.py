@@ -64,6 +64,30 @@ HEADER_CALL = "_communicate_shapes"
 HEADER_MODE = "batched"
 
 
+def _buffer_shape(shape: Any, dtype: torch.dtype, name: str) -> list[int]:
+    """A receive buffer's shape, checked before anything is allocated or posted: torch would
+    raise RuntimeError for a negative or overflowing one."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"{name}: tensor_shape must be a sequence of ints, got {shape!r}")
+    dims = list(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"{name}: tensor_shape must hold non-negative ints, got {shape!r}")
+    numel = 1
+    for d in dims:
+        numel *= d
+    if numel * dtype.itemsize >= 1 << 63:
+        raise ValueError(f"{name}: tensor_shape {dims} of {dtype} holds more than 2**63 bytes")
+    return dims
+
+
+def _check_pipeline_dtype(dtype: Any) -> None:
+    """Received tensors are made with requires_grad=True, which needs a floating or complex dtype."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"config.pipeline_dtype must be a torch.dtype, got {dtype!r}")
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"config.pipeline_dtype {dtype} cannot require grad, as received tensors do")
+
+
 def is_single_shape(x: Any) -> bool:
     """True for one shape (a torch.Size, or a non-empty list / tuple of ints), False for a
     list of shapes."""
@@ -366,9 +390,16 @@ class P2PCommunicator:
                 raise RuntimeError(
                     f"{name} needs tensor_shape, e.g. (seq_length, micro_batch_size, hidden_size)"
                 )
+            if wanted:
+                _check_pipeline_dtype(config.pipeline_dtype)
         prev_dtype = next_dtype = None
         header_sends: list[_C.Request] = []
         if variable:
+            # The header round is posted before the data: a tensor the data exchange would refuse
+            # must be refused first, or the peer gets a header and waits for data that never comes.
+            for t, name in ((tensor_send_next, "tensor_send_next"), (tensor_send_prev, "tensor_send_prev")):
+                if t is not None:
+                    self.comm.check_tensor(t, name)
             # Header sends are not waited for here: a blocking round of its own, before the data,
             # deadlocks megatron-core's interleaved schedule under rendezvous (gloo does, too).
             # They precede the data on their lane, so they complete before it.
@@ -384,16 +415,17 @@ class P2PCommunicator:
                     if p]
         device = self._device()
 
-        def buffer(wanted: bool, shape: Any, announced: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+        def buffer(wanted: bool, shape: Any, announced: Optional[torch.dtype], name: str) -> Optional[torch.Tensor]:
             if not wanted:
                 return None
             # On a dtype disagreement, take the peer's message as it is sent (so it does not hang),
             # then raise.
             dtype = announced if problems and announced is not None else config.pipeline_dtype
-            return torch.empty(shape, requires_grad=True, device=device, dtype=dtype)
+            dims = _buffer_shape(shape, dtype, name)
+            return torch.empty(dims, requires_grad=True, device=device, dtype=dtype)
 
-        tensor_recv_prev = buffer(recv_prev, prev_shape, prev_dtype)
-        tensor_recv_next = buffer(recv_next, next_shape, next_dtype)
+        tensor_recv_prev = buffer(recv_prev, prev_shape, prev_dtype, "recv_prev")
+        tensor_recv_next = buffer(recv_next, next_shape, next_dtype, "recv_next")
         reqs: Any = self._exchange(send_next=tensor_send_next, recv_prev=tensor_recv_prev,
                                    send_prev=tensor_send_prev, recv_next=tensor_recv_next)
         if problems:
@@ -463,7 +495,10 @@ class P2PCommunicator:
     def _send_recv_each(self, tensors, tensor_shapes, skip: bool, timer: str, forward: bool, overlap: bool):
         single = not isinstance(tensors, list)
         tensors = [tensors] if single else tensors
-        shapes = tensor_shapes if isinstance(tensor_shapes, list) else [tensor_shapes]
+        # One tensor has one shape, even [] (0-dim); a list of tensors has a list of shapes.
+        shapes = [tensor_shapes] if single else tensor_shapes
+        if not single and (not isinstance(shapes, list) or len(shapes) != len(tensors)):
+            raise ValueError(f"{len(tensors)} tensors need a list of {len(tensors)} shapes, got {tensor_shapes!r}")
         received, handles = [], []
         for t, shape in zip(tensors, shapes):
             if skip:

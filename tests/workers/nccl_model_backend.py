@@ -71,6 +71,9 @@ class ModelComm:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
 
+    def check_tensor(self, tensor: Any, name: str = "tensor") -> None:
+        self._comm.check_tensor(self._backend.tensor(tensor), name)
+
     def exchange(self, **kw: Any) -> dict[str, SettlingRequest]:
         ops = {k: (self._backend.tensor(v) if k.startswith(("send_", "recv_")) else v) for k, v in kw.items()}
         return {k: SettlingRequest(r, self._backend) for k, r in self._comm.exchange(**ops).items()}
