@@ -8,7 +8,7 @@ EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*.c csrc/*.h) setup.py
 TEST_JOBS ?=
 
-.PHONY: all build fakes demo test verify sanitize bench bench-quick clean
+.PHONY: all build fakes demo test verify soak fuzz sanitize lint tsan bench bench-quick clean
 
 all: build
 
@@ -16,6 +16,10 @@ $(DEPS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 pytest numpy matplotlib setuptools wheel
+	# strace, for the test that no rank grants ptrace access beyond its peers (tests/test_security.py).
+	command -v strace >/dev/null || (apt-get update && apt-get install -y strace)
+	# The argument-layer property tests and the fuzz targets (tests/fuzz/).
+	$(PY) -m pip install --quiet hypothesis==6.170.17 atheris==3.0.0
 	# libnccl.so.2 and nccl.h, for the NCCL loader and ABI tests (no GPU needed).
 	$(PY) -m pip install --quiet nvidia-nccl-cu13==2.30.7
 	# megatron-core, for the drop-in tests only. Its wheel says Python >= 3.12 but runs on 3.11; of its
@@ -63,6 +67,25 @@ verify: build fakes
 	MEGATRON_P2P_VERIFY_PROGRAMS=1000 MEGATRON_P2P_VERIFY_REPLAYS=100 $(PY) -m pytest -q tests/test_check.py tests/test_replay.py
 	$(PY) -m megatron_p2p.check --grid
 
+# The soak, long (tests/test_soak.py; `make test` runs a short one): 100,000 exchanges of random
+# sizes, modes and lane counts on 3 ranks (an odd ring: prev and next differ), and 200
+# communicators created and closed; memory, descriptors, threads and segments must stay flat.
+# Prints its figures; about 5 minutes on 2 cores.
+SOAK_RANKS ?= 3
+soak: build
+	MEGATRON_P2P_SOAK_EXCHANGES=100000 MEGATRON_P2P_SOAK_COMMUNICATORS=200 MEGATRON_P2P_SOAK_RANKS=$(SOAK_RANKS) \
+	$(PY) -m pytest -q -s -p no:cacheprovider tests/test_soak.py
+
+# atheris (libFuzzer) over the program-file parser and the exchange plan, FUZZ_SECONDS each, from
+# the seed corpus in tests/fuzz/corpus/; what they add goes to build/fuzz/, crashes to build/fuzz/.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := program_file plan
+fuzz: build
+	for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/fuzz/$$t && $(PY) tests/fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    -artifact_prefix=build/fuzz/$$t- build/fuzz/$$t tests/fuzz/corpus/$$t || exit 1; \
+	done
+
 # The extension built with AddressSanitizer and UndefinedBehaviorSanitizer, and the whole suite
 # run against it (every torchrun rank inherits the preloaded runtime).
 # libstdc++ is preloaded with it: C++ extensions (matplotlib's) throw, and ASan's __cxa_throw
@@ -78,6 +101,38 @@ sanitize: $(DEPS) fakes
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider $(CURDIR)/tests
+
+# Static analysis, which fails on any finding: gcc's analyzer over every source with the
+# extension's flags (and Python's headers, for the bindings), then cppcheck. cppcheck is
+# installed when missing: CI runs as root on a fresh Debian machine.
+LINT_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O2 -fanalyzer
+CPPCHECK_FLAGS := --quiet --std=c11 --library=posix --library=gnu --library=python --inline-suppr \
+	--enable=warning,performance,portability --error-exitcode=1 -D_GNU_SOURCE -Icsrc
+lint: $(DEPS)
+	command -v cppcheck >/dev/null || (apt-get update && apt-get install -y cppcheck)
+	include="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" && \
+	for src in csrc/*.c; do gcc $(LINT_CFLAGS) -I"$$include" -c $$src -o /dev/null || exit 1; done
+	cppcheck $(CPPCHECK_FLAGS) csrc
+
+# The shm engine without Python (tests/c/shm_engine_stress.c), under ThreadSanitizer: 4 ranks as
+# processes, a posting thread per lane in each, rounds started for 60 s; any report fails it.
+# STRESS_SEED=n draws another plan (the seed is printed).
+# tests/test_shm_engine_c.py builds the plain one (any directory/shm_engine_stress) for `make test`.
+# -Wno-tsan: TSAN does not model the seqlock's fences, which pair with readers in other processes
+# that it cannot see anyway.
+ENGINE_SOURCES := csrc/shm.c csrc/shm_segment.c csrc/shm_deadlock.c csrc/dtype.c csrc/result.c csrc/plan.c
+ENGINE_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -g -Icsrc -pthread
+%/shm_engine_stress: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
+	mkdir -p $(@D)
+	gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)
+
+build/tsan/shm_engine_stress_tsan: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
+	mkdir -p $(@D)
+	gcc $(ENGINE_CFLAGS) -O1 -fsanitize=thread -Wno-tsan -o $@ $< $(ENGINE_SOURCES)
+
+STRESS_SEED ?= 1
+tsan: build/tsan/shm_engine_stress_tsan
+	TSAN_OPTIONS=halt_on_error=1:exitcode=66 $< -r 4 -d 60 -n 1000000 -l 400 -s $(STRESS_SEED)
 
 # The benchmark suite (benchmarks/run.py): torchrun jobs with wall-clock limits, then one JSON,
 # PNG plots, a table and a goal line per goal. `bench` also rewrites benchmarks/RESULTS.md.

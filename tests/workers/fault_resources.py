@@ -1,0 +1,40 @@
+"""What a rank holds outside Python's objects, to show that a communicator leaves nothing
+behind: its threads (Python's and the kernel's, which include the transport's C threads) and
+its open descriptors with what each one points at."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+
+def _fd_targets() -> dict[str, str]:
+    targets = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed by now
+            pass
+    return targets
+
+
+def snapshot() -> dict[str, Any]:
+    return {
+        "python_threads": sorted(t.name for t in threading.enumerate()),
+        "kernel_threads": len(os.listdir("/proc/self/task")),
+        "fds": _fd_targets(),
+    }
+
+
+def left_behind(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What `after` holds that `before` did not; empty when nothing was left."""
+    extra: dict[str, Any] = {}
+    threads = sorted(set(after["python_threads"]) - set(before["python_threads"]))
+    if threads:
+        extra["python_threads"] = threads
+    if after["kernel_threads"] > before["kernel_threads"]:
+        extra["kernel_threads"] = after["kernel_threads"] - before["kernel_threads"]
+    fds = {fd: t for fd, t in after["fds"].items() if before["fds"].get(fd) != t}
+    if fds:
+        extra["fds"] = fds
+    return extra
