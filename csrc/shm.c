@@ -674,6 +674,16 @@ static mp_result shm_abort_cause(mp_transport *t, int *rank)
     shm_t *s = as_shm(t);
     shm_header *h = shm_hdr(&s->v);
     uint32_t cause = atomic_load(&h->abort_cause);
+    /* The winner of the cause writes its rank and reason just after: wait for them (briefly, as
+     * it may die in between, or the segment hold garbage). */
+    for (double until = 0; cause != MP_OK && !atomic_load_explicit(&h->abort_why_ready, memory_order_acquire);) {
+        double now = mp_now();
+        if (!until)
+            until = now + 0.1;
+        else if (now > until)
+            break;
+        sched_yield();
+    }
     int32_t by = atomic_load(&h->abort_rank);
     if (!atomic_load(&s->corrupt) && cause > MP_ERR_INTERRUPTED)
         found_corrupt(s, "abort_cause = %u, not a result code", cause);
@@ -751,10 +761,9 @@ static void shm_abort(mp_transport *t, mp_result cause, int rank, const char *wh
     uint32_t none = MP_OK;
     if (atomic_compare_exchange_strong(&h->abort_cause, &none, (uint32_t)cause)) {
         atomic_store(&h->abort_rank, rank);
-        if (why && why[0]) {
+        if (why && why[0])
             snprintf(h->abort_why, sizeof h->abort_why, "%s", why);
-            atomic_store_explicit(&h->abort_why_ready, 1, memory_order_release);
-        }
+        atomic_store_explicit(&h->abort_why_ready, 1, memory_order_release); /* the record is final */
     }
     for (int r = 0; r < t->size; r++)
         ring(s, r);

@@ -103,7 +103,7 @@ typedef struct {
     _Atomic uint32_t ready;
     _Atomic uint32_t abort_cause; /* mp_result; the first cause wins */
     _Atomic int32_t abort_rank;
-    _Atomic uint32_t abort_why_ready; /* abort_why is written and final */
+    _Atomic uint32_t abort_why_ready; /* abort_rank and abort_why are written and final */
     char abort_why[240];           /* the aborting rank's reason, when it gave one */
     _Atomic uint32_t fenced;       /* ranks fenced as deadlocked: engines look closer when nonzero */
     _Atomic uint32_t detect_lock;  /* 1 + the rank writing a deadlock report, or 0 */
