@@ -17,9 +17,9 @@ from . import _C, flight_recorder, nccl, watchdog
 
 BACKENDS = ("shm", "nccl", "auto")
 _STORE_PREFIX = "megatron_p2p"
-# Creation polls the store for rank 0's keys, backing off to this period, so that Ctrl-C (any
+# Creation polls the store for the other ranks' keys, backing off to this period, so that Ctrl-C (any
 # Python signal handler) gets a turn while it waits. (A timed-out store.wait() logs a warning.)
-_STORE_POLL_MAX = 0.05
+_STORE_POLL_MAX = 0.01
 _live: "weakref.WeakSet[_C.Communicator]" = weakref.WeakSet()
 _log = logging.getLogger(__name__)
 _told_no_single_copy = False

@@ -19,6 +19,9 @@ SEED = int(os.environ.get("MEGATRON_P2P_SOAK_SEED", "10"))
 # object arenas, torch grows small caches on first use; none of it grows with the number of
 # exchanges. A leak of 100 bytes per exchange passes this in the short soak, not in `make soak`.
 RSS_SLACK = 4 << 20
+# Under AddressSanitizer (make sanitize) freed memory waits in its quarantine (256 MiB), so memory
+# says nothing there; the counts still do.
+MEMORY_MEANINGFUL = not os.environ.get("MEGATRON_P2P_EXPECT_SANITIZED")
 COUNTED = ("fds", "threads", "segments", "segment_mappings")
 MODES = ("parity", "batched", "isend_irecv", "batch_isend_irecv")
 DIRECTIONS = ("forward", "backward", "both")
@@ -28,7 +31,7 @@ PATHS = ("inline", "eager", "bounce", "single_copy")
 def grown(before, after):
     """The measures that grew from `before` to `after`: any count, or private memory past the slack."""
     out = [k for k in COUNTED if after[k] > before[k]]
-    if after["rss_anon"] - before["rss_anon"] > RSS_SLACK:
+    if MEMORY_MEANINGFUL and after["rss_anon"] - before["rss_anon"] > RSS_SLACK:
         out.append("rss_anon")
     return out
 
@@ -105,7 +108,8 @@ def test_creating_and_closing_communicators_leaves_nothing(soak):
     for rank, v in enumerate(soak):
         before, after = v["closed"], v["after_churn"]
         assert before["segments"] == before["segment_mappings"] == before["rss_shmem"] == 0, figures(rank, v)
-        assert grown(before, after) == [] and after["rss"] - before["rss"] <= RSS_SLACK, figures(rank, v)
+        assert grown(before, after) == [], figures(rank, v)
+        assert not MEMORY_MEANINGFUL or after["rss"] - before["rss"] <= RSS_SLACK, figures(rank, v)
 
 
 def test_a_communicator_left_open_is_reported(soak):
