@@ -73,10 +73,10 @@ def _store_get(store: dist.Store, key: str, timeout: float, rank: int, rank0_pid
             pause = min(2 * pause, _STORE_POLL_MAX)
         return store.get(key)
     except dist.DistNetworkError as e:
-        pid = f"pid {rank0_pid}" if rank0_pid is not None else "pid not yet published"
+        host = f"rank 0 (pid {rank0_pid})" if rank0_pid is not None else "rank 0 (pid not yet published)"
         raise _C.PeerFailureError(
-            f"the store that carries the communicator's unique id is gone while waiting for rank 0 ({pid}): "
-            f"its host process exited ({e})"
+            f"the torch.distributed store is gone while waiting for group rank {rank}: its host exited ({host}, or "
+            f"torchrun's agent where the job uses its store) ({e})"
         ) from None
 
 
@@ -148,7 +148,7 @@ def init_communicator(
     else:
         rank0_pid = int(_store_get(store, f"{pid_key}/0", timeout, 0, None))
         unique_id = _store_get(store, key, timeout, 0, rank0_pid)
-        pids = [int(store.get(f"{pid_key}/{r}")) for r in range(len(ranks))]  # all set before the id
+        pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, r, rank0_pid)) for r in range(len(ranks))]
         if backend == "shm":
             unique_id = unique_id.decode()
     common = dict(lanes=lanes, timeout=float(timeout))
