@@ -77,31 +77,50 @@ static int set_id(CommObject *self, PyObject *unique_id)
     return 0;
 }
 
-/* Creation blocks (GIL released) until every rank has joined; this lets Python's signal handlers
- * run every SIGNAL_CHECK_PERIOD meanwhile, so that Ctrl-C ends a creation whose peers never come. */
+/* Creation blocks (GIL released) until every rank has joined. Every SIGNAL_CHECK_PERIOD it takes
+ * the GIL back to run Python's signal handlers (Ctrl-C ends a creation whose peers never come)
+ * and to ask `peer_failed` whether another member's creation failed (so this one ends too,
+ * saying why, instead of at the timeout). */
 #define SIGNAL_CHECK_PERIOD 0.05
 
 typedef struct {
     PyThreadState *saved;
     double next_check;
-} signal_check;
+    PyObject *peer_failed; /* callable -> None or the failure's text; may be NULL */
+    PyObject *error;       /* raised with that text */
+} creation_wait;
 
-static int python_signal_raised(void *arg)
+static int creation_interrupted(void *arg)
 {
-    signal_check *c = arg;
+    creation_wait *c = arg;
     double now = mp_now();
     if (now < c->next_check)
         return 0;
     c->next_check = now + SIGNAL_CHECK_PERIOD;
     PyEval_RestoreThread(c->saved);
-    int raised = PyErr_CheckSignals() < 0;
+    int stop = PyErr_CheckSignals() < 0;
+    if (!stop && c->peer_failed) {
+        PyObject *why = PyObject_CallNoArgs(c->peer_failed);
+        stop = !why || why != Py_None;
+        if (why && why != Py_None)
+            PyErr_SetObject(c->error, why);
+        Py_XDECREF(why);
+    }
     c->saved = PyEval_SaveThread();
-    return raised;
+    return stop;
+}
+
+static void creation_wait_begin(creation_wait *c, mp_interrupt *interrupt)
+{
+    c->next_check = mp_now() + SIGNAL_CHECK_PERIOD;
+    interrupt->raised = creation_interrupted;
+    interrupt->arg = c;
+    c->saved = PyEval_SaveThread();
 }
 
 /* The NCCL transport's parts of construction: the libraries, then the collective creation. */
-static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_priority, mp_transport **t, char *err,
-                           size_t errlen, int *unavailable)
+static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_priority, creation_wait *wait,
+                           mp_transport **t, char *err, size_t errlen, int *unavailable)
 {
     char *ids;
     Py_ssize_t len;
@@ -129,12 +148,11 @@ static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_prior
         .check = self->check,
         .global_rank = self->global_ranks[self->group_rank],
     };
-    signal_check check = {.next_check = mp_now() + SIGNAL_CHECK_PERIOD};
-    mp_interrupt interrupt = {python_signal_raised, &check};
+    mp_interrupt interrupt;
     cfg.interrupt = &interrupt;
-    check.saved = PyEval_SaveThread();
+    creation_wait_begin(wait, &interrupt);
     mp_result r = mp_nccl_open(&cfg, nccl, cuda, t, err, errlen);
-    PyEval_RestoreThread(check.saved);
+    PyEval_RestoreThread(wait->saved);
     return r;
 }
 
@@ -178,8 +196,8 @@ out:
     return rc;
 }
 
-static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy, const int *pids, mp_transport **t,
-                          char *err, size_t errlen)
+static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy, const int *pids,
+                          creation_wait *wait, mp_transport **t, char *err, size_t errlen)
 {
     const char *name = PyUnicode_Check(unique_id) ? PyUnicode_AsUTF8(unique_id) : NULL;
     if (!name || strlen(name) >= MP_SHM_NAME_LEN || name[0] != '/' || strchr(name + 1, '/')) {
@@ -199,27 +217,28 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
         .global_rank = self->global_ranks[self->group_rank],
         .pids = pids,
     };
-    signal_check check = {.next_check = mp_now() + SIGNAL_CHECK_PERIOD};
-    mp_interrupt interrupt = {python_signal_raised, &check};
+    mp_interrupt interrupt;
     cfg.interrupt = &interrupt;
-    check.saved = PyEval_SaveThread();
+    creation_wait_begin(wait, &interrupt);
     mp_result r = mp_shm_open(&cfg, t, err, errlen);
-    PyEval_RestoreThread(check.saved);
+    PyEval_RestoreThread(wait->saved);
     return r;
 }
 
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"backend", "unique_id", "group_rank", "ranks", "lanes", "eager_threshold", "timeout",
-                             "single_copy", "device", "stream", "high_priority", "on_abort", "check", "pids", NULL};
+                             "single_copy", "device", "stream", "high_priority", "on_abort", "check", "pids",
+                             "peer_failed", NULL};
     const char *backend;
     int group_rank, lanes = 2, single_copy = 1, device = -1, high_priority = 0, check = 0;
-    PyObject *unique_id, *ranks, *stream_fn = Py_None, *on_abort = Py_None, *pids_obj = Py_None;
+    PyObject *unique_id, *ranks, *stream_fn = Py_None, *on_abort = Py_None, *pids_obj = Py_None,
+             *peer_failed = Py_None;
     unsigned long long eager = 0;
     double timeout = 300.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpOpO:Communicator", kwlist, &backend, &unique_id,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpOpOO:Communicator", kwlist, &backend, &unique_id,
                                      &group_rank, &ranks, &lanes, &eager, &timeout, &single_copy, &device,
-                                     &stream_fn, &high_priority, &on_abort, &check, &pids_obj))
+                                     &stream_fn, &high_priority, &on_abort, &check, &pids_obj, &peer_failed))
         return NULL;
     mp_state *st = mp_state_from_type(type);
     int is_nccl = strcmp(backend, "nccl") == 0;
@@ -242,6 +261,8 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                                       : "backend 'shm' carries CPU tensors only (device=-1)");
     if (on_abort != Py_None && !PyCallable_Check(on_abort))
         return PyErr_Format(PyExc_TypeError, "on_abort must be callable or None");
+    if (peer_failed != Py_None && !PyCallable_Check(peer_failed))
+        return PyErr_Format(PyExc_TypeError, "peer_failed must be callable or None");
     if (check && !is_nccl)
         return PyErr_Format(PyExc_ValueError, "check (debug matching) is for backend 'nccl'; shm always compares "
                             "bytes and dtype");
@@ -286,10 +307,11 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     char err[2048] = "";
     int unavailable = 0;
     mp_transport *t = NULL;
-    mp_result r = is_nccl ? open_nccl(self, unique_id, high_priority, &t, err, sizeof err, &unavailable)
-                          : open_shm(self, unique_id, single_copy, pids, &t, err, sizeof err);
+    creation_wait wait = {.peer_failed = peer_failed != Py_None ? peer_failed : NULL, .error = st->P2PError};
+    mp_result r = is_nccl ? open_nccl(self, unique_id, high_priority, &wait, &t, err, sizeof err, &unavailable)
+                          : open_shm(self, unique_id, single_copy, pids, &wait, &t, err, sizeof err);
     PyMem_Free(pids);
-    if (r == MP_ERR_INTERRUPTED) /* the signal handler's exception is set */
+    if (r == MP_ERR_INTERRUPTED) /* a signal handler's exception, or a peer's failure, is set */
         goto fail;
     if (r != MP_OK) {
         PyObject *exc = unavailable ? st->BackendUnavailableError

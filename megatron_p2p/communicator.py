@@ -151,26 +151,66 @@ def init_communicator(
         pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, r, rank0_pid)) for r in range(len(ranks))]
         if backend == "shm":
             unique_id = unique_id.decode()
-    common = dict(lanes=lanes, timeout=float(timeout))
-    if backend == "shm":
-        comm = _C.Communicator(
-            "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
-            single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, **common,
-        )
-        if _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
-            _tell_if_no_single_copy(comm, ranks)
-    else:
-        relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)
-        with torch.cuda.device(dev.index):
+    failures = _CreationFailures(store, f"{base}/{generation}/failed", group_rank, len(ranks))
+    common = dict(lanes=lanes, timeout=float(timeout), peer_failed=failures.of_peers)
+    try:
+        if backend == "shm":
             comm = _C.Communicator(
-                "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
-                high_priority=high_priority, on_abort=relay.publish, check=_env_flag("MEGATRON_P2P_CHECK", False),
-                **common,
+                "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
+                single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, **common,
             )
+        else:
+            relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)
+            with torch.cuda.device(dev.index):
+                comm = _C.Communicator(
+                    "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
+                    high_priority=high_priority, on_abort=relay.publish,
+                    check=_env_flag("MEGATRON_P2P_CHECK", False), **common,
+                )
+    except BaseException as e:
+        failures.publish(e)
+        raise
+    if backend == "shm" and _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
+        _tell_if_no_single_copy(comm, ranks)
+    if backend == "nccl":
         watchdog.watch(comm, relay.publish, relay.relayed)
     _live.add(comm)
     flight_recorder.install(comm)
     return comm
+
+
+class _CreationFailures:
+    """A member whose creation fails (no room in /dev/shm, no descriptors left, Ctrl-C) says so
+    through the store, so that the others, still waiting for it to attach, stop at once with its
+    reason instead of at the timeout."""
+
+    def __init__(self, store: dist.Store, key: str, rank: int, size: int) -> None:
+        self._store, self._key, self._rank, self._size = store, key, rank, size
+        self._from_peer = False
+
+    def publish(self, error: BaseException) -> None:
+        if self._from_peer:
+            return  # the peer that failed first has said why
+        try:
+            self._store.set(f"{self._key}/{self._rank}", f"{type(error).__name__}: {error}")
+            self._store.add(self._key, 1)
+        except dist.DistError:
+            pass  # the store is gone too: the others learn of it themselves
+
+    def of_peers(self) -> Optional[str]:
+        """Polled while creation waits: why another member failed, or None."""
+        try:
+            if self._store.add(self._key, 0) == 0:
+                return None
+            for r in range(self._size):
+                key = f"{self._key}/{r}"
+                if r != self._rank and self._store.check([key]):
+                    self._from_peer = True
+                    return (f"group rank {r} could not create its side of the communicator, so this rank "
+                            f"cannot either: {self._store.get(key).decode()}")
+        except dist.DistError:
+            pass  # a vanished store is reported where the pids and the segment are watched
+        return None
 
 
 def _tell_if_no_single_copy(comm: _C.Communicator, ranks: list[int]) -> None:

@@ -172,14 +172,16 @@ def test_stopped_peer_times_out_its_partner_after_the_timeout(matrix):
 
 def test_exhausted_descriptors_fail_creation_at_once_with_a_clear_error(matrix):
     """Rank 1 has no file descriptor left (RLIMIT_NOFILE): its creation raises P2PError at once
-    saying which open failed and why; rank 0 times out naming the rank that never attached.
-    Both communicators that follow work (the descriptors were given back)."""
+    saying which open failed and why; rank 0, waiting for it to attach, stops at once with that
+    reason (published through the store), not at its timeout. Both communicators that follow
+    work (the descriptors were given back)."""
     starved, waiter = matrix[1]["descriptors_exhausted"], matrix[0]["descriptors_exhausted"]
-    assert_raised(starved["call"], "P2PError", "shared-memory segment", "Too many open files")
+    assert_raised(starved["call"], "P2PError", "shared-memory segment", "Too many open files", "RLIMIT_NOFILE")
     assert starved["call"]["elapsed"] < SLACK, starved["call"]
     FIGURES["RLIMIT_NOFILE exhausted: the starved rank"] = starved["call"]["elapsed"]
-    assert_raised(waiter["call"], "P2PTimeoutError", "missing: 1")
-    FIGURES["RLIMIT_NOFILE exhausted: its peer's timeout"] = waiter["call"]["elapsed"]
+    assert_raised(waiter["call"], "P2PError", "group rank 1 could not create", "Too many open files")
+    assert waiter["call"]["elapsed"] < NOFILE_TIMEOUT, waiter["call"]
+    FIGURES["RLIMIT_NOFILE exhausted: its peer"] = waiter["call"]["elapsed"]
     nothing_left(matrix, "descriptors_exhausted")
 
 
@@ -260,13 +262,15 @@ def run_in_private_shm(row: str) -> conftest.Job:
 
 def test_full_dev_shm_fails_creation_saying_how_much_is_free_and_needed():
     """/dev/shm has no room: rank 0's creation raises P2PError naming /dev/shm, the MiB free and
-    the MiB needed; rank 1 times out waiting for the segment; no segment is left."""
+    the MiB needed; rank 1, waiting for the segment, stops at once with that reason (published
+    through the store), not at its timeout; no segment is left."""
     job = run_in_private_shm("full")
     creator, attacher = value_of(job, 0), value_of(job, 1)["full"]
     assert_raised(creator["full"]["create"], "P2PError", "/dev/shm has 0 MiB free", "needs up to", "MiB")
     FIGURES["/dev/shm full: the creator"] = creator["full"]["create"]["elapsed"]
-    assert attacher["create"]["type"] == "P2PTimeoutError", attacher["create"]
-    FIGURES["/dev/shm full: its peer's timeout"] = attacher["create"]["elapsed"]
+    assert_raised(attacher["create"], "P2PError", "group rank 0 could not create", "/dev/shm has 0 MiB free")
+    assert attacher["create"]["elapsed"] < NOFILE_TIMEOUT, attacher["create"]
+    FIGURES["/dev/shm full: its peer"] = attacher["create"]["elapsed"]
     assert creator["segments_left"] == []
 
 
