@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "interrupt.h"
+#include "shm_segment.h"
 #include "transport.h"
 
 typedef struct {
@@ -36,5 +37,8 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
 
 /* Whether single-copy reads from `peer` work (for tests and reports). */
 int mp_shm_single_copy(mp_transport *t, int peer);
+
+/* The segment's mapping of a shm transport, or NULL for another transport (for shm_corrupt.c). */
+const shm_view *mp_shm_view(mp_transport *t);
 
 #endif

@@ -7,10 +7,6 @@
 #include <stdint.h>
 
 #include "shm_segment.h"
-#include "transport.h"
-
-/* The mapping of a shm transport (defined in shm.c), or NULL for another transport. */
-const shm_view *mp_shm_view(mp_transport *t);
 
 /* Overwrites `count` fields of the segment chosen by `seed` (headers of every rank, channel
  * counters, descriptors, published waits) with garbage that no valid state holds: random
