@@ -88,8 +88,8 @@ static rank_view *view_of(graph *g, int r)
     shm_watch *s = &rv->snap;
     if (s->nops > SHM_WATCH_OPS || s->wait_index < -2 || s->wait_index >= (int32_t)s->nops || s->wait_lane < 0 ||
         s->wait_lane >= g->v->nlanes) {
-        found_corrupt(g, "rank %d's published wait: %u op(s), waits on #%d of lane %d", r, s->nops, s->wait_index,
-                      s->wait_lane);
+        found_corrupt(g, "rank %d's published wait: nops = %u, wait_index = %d, wait_lane = %d", r, s->nops,
+                      s->wait_index, s->wait_lane);
         return rv;
     }
     for (uint32_t i = 0; i < s->nops; i++) {
