@@ -120,7 +120,7 @@ lint: $(DEPS)
 # tests/test_shm_engine_c.py builds the plain one (any directory/shm_engine_stress) for `make test`.
 # -Wno-tsan: TSAN does not model the seqlock's fences, which pair with readers in other processes
 # that it cannot see anyway.
-ENGINE_SOURCES := csrc/shm.c csrc/shm_segment.c csrc/shm_deadlock.c csrc/dtype.c csrc/result.c csrc/plan.c
+ENGINE_SOURCES := csrc/shm.c csrc/shm_segment.c csrc/arena.c csrc/shm_deadlock.c csrc/dtype.c csrc/result.c csrc/plan.c
 ENGINE_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -g -Icsrc -pthread
 %/shm_engine_stress: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
 	mkdir -p $(@D)

@@ -1,7 +1,13 @@
 """Bandwidth between 2 ranks, 64 KiB and up: a one-way stream and the bidirectional pipeline
 exchange (rank 0 sends forward and receives backward while rank 1 does the opposite), through
-this package and gloo, beside a single-thread memcpy of the same bytes in one process: the
-limit for a transport that copies once."""
+this package and gloo. This package receives twice: into plain torch tensors (the CMA path,
+what a buffer a user allocates gets) and into tensors from `comm.empty` (its shared arena,
+where megatron-core's receive buffers come from), when the communicator has one.
+
+The baseline is a single-thread memcpy of the same bytes, the limit for a transport that copies
+once. It is measured right before every transport measurement, in the same processes (rank 0
+copies while its peer waits), so the two see the same machine; each repetition's ratio is the
+transport's figure over the memcpy measured beside it."""
 from __future__ import annotations
 
 import ctypes
@@ -11,25 +17,23 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from timing import human_bytes, repetitions, say, slowest_rank, timed_loop
+from timing import human_bytes, median, repetitions, say, slowest_rank, spread, timed_loop
 
-CONTENDERS = ("megatron_p2p", "gloo_isend_irecv", "gloo_batch_isend_irecv")
+CONTENDERS = ("megatron_p2p", "megatron_p2p_arena", "gloo_isend_irecv", "gloo_batch_isend_irecv")
+PATTERNS = ("one_way", "exchange")
 WINDOW = 4  # one-way messages in flight per round
 
 
-def _memcpy_gbps(nbytes: int, reps: int, group) -> float:
-    """libc memcpy on rank 0 alone (rank 1 waits in a barrier, which sleeps)."""
+def _memcpy_gbps(src: torch.Tensor, dst: torch.Tensor, nbytes: int, copies: int, group) -> float:
+    """libc memcpy of `copies` x `nbytes` on rank 0 alone (rank 1 waits in a barrier, which sleeps)."""
     seconds = 0.0
     if dist.get_rank() == 0:
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.zeros(nbytes, dtype=torch.uint8)
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)  # warm
         start = time.perf_counter()
-        for _ in range(reps):
+        for _ in range(copies):
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         seconds = time.perf_counter() - start
     dist.barrier(group=group)
-    return nbytes * reps / slowest_rank(seconds, group) / 1e9
+    return nbytes * copies / slowest_rank(seconds, group) / 1e9
 
 
 def _one_way(comm, contender: str, send: torch.Tensor, recv: torch.Tensor, window: int) -> Callable[[], None]:
@@ -37,7 +41,7 @@ def _one_way(comm, contender: str, send: torch.Tensor, recv: torch.Tensor, windo
     sender = dist.get_rank() == 0
     peer = 1 - dist.get_rank()
     buf = send if sender else recv
-    if contender == "megatron_p2p":
+    if contender.startswith("megatron_p2p"):
         post = comm.isend if sender else comm.irecv
 
         def run() -> None:
@@ -62,7 +66,7 @@ def _exchange(comm, contender: str, send: torch.Tensor, recv: torch.Tensor) -> C
     """1F1B's pair: rank 0 send_forward_recv_backward, rank 1 send_backward_recv_forward."""
     first = dist.get_rank() == 0
     peer = 1 - dist.get_rank()
-    if contender == "megatron_p2p":
+    if contender.startswith("megatron_p2p"):
         kwargs = {"send_next": send, "recv_next": recv} if first else {"send_prev": send, "recv_prev": recv}
 
         def run() -> None:
@@ -85,26 +89,59 @@ def _exchange(comm, contender: str, send: torch.Tensor, recv: torch.Tensor) -> C
     return run
 
 
-def run(comm, group, cfg: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    one_way, exchange, memcpy = [], [], []
+def _arena_note(comm) -> tuple[list[str], dict[str, Any]]:
+    """The contenders this communicator can run, and what the JSON says about its arena."""
+    if getattr(comm, "empty", None) is None:
+        return ([c for c in CONTENDERS if c != "megatron_p2p_arena"],
+                {"available": False, "arena_bytes": None,
+                 "note": "this build's communicator has no empty(): the arena column is left out"})
+    arena_bytes = int(getattr(comm, "arena_bytes", 0))
+    note = ("receive buffers from comm.empty; a size above arena_bytes falls back to plain memory (CMA)"
+            if arena_bytes else "the arena is disabled (arena_bytes 0): comm.empty gives plain memory")
+    return list(CONTENDERS), {"available": True, "arena_bytes": arena_bytes, "note": note}
+
+
+def run(comm, group, cfg: dict[str, Any]) -> dict[str, Any]:
+    contenders, arena = _arena_note(comm)
+    points: dict[str, list[dict[str, Any]]] = {p: [] for p in PATTERNS}
+    memcpy = []
     for nbytes in cfg["sizes"]:
-        reps = repetitions(nbytes, cfg["target_bytes"], cfg["min_reps"], cfg["max_reps"])
-        window = min(WINDOW, reps)
-        rounds = max(1, reps // window)
+        messages = repetitions(nbytes, cfg["target_bytes"], cfg["min_reps"], cfg["max_reps"])
+        window = min(WINDOW, messages)
+        rounds = max(1, messages // window)
+        messages = rounds * window
         send = torch.ones(nbytes, dtype=torch.uint8)
-        recv = torch.zeros(nbytes, dtype=torch.uint8)  # touched: no page faults inside the timing
-        copy = _memcpy_gbps(nbytes, rounds * window, group)
-        memcpy.append({"bytes": nbytes, "gbps": copy})
-        stream = {}
-        both = {}
-        for c in CONTENDERS:
-            seconds = timed_loop(_one_way(comm, c, send, recv, window), rounds, 1, group)
-            stream[c] = nbytes * window / seconds / 1e9
-            seconds = timed_loop(_exchange(comm, c, send, recv), rounds * window, 1, group)
-            both[c] = nbytes / seconds / 1e9
-        one_way.append({"bytes": nbytes, "messages": rounds * window, "gbps": stream})
-        exchange.append({"bytes": nbytes, "messages": rounds * window, "gbps": both})
-        say(f"bandwidth {human_bytes(nbytes):>8}  memcpy {copy:6.2f} GB/s | one-way " +
-            "  ".join(f"{c} {v:6.2f}" for c, v in stream.items()) + " | exchange (per direction) " +
-            "  ".join(f"{c} {v:6.2f}" for c, v in both.items()) + " GB/s")
-    return {"one_way": one_way, "exchange": exchange, "memcpy": memcpy}
+        plain = torch.zeros(nbytes, dtype=torch.uint8)  # touched: no page faults inside the timing
+        recv = {c: plain for c in contenders}
+        if "megatron_p2p_arena" in contenders:
+            recv["megatron_p2p_arena"] = comm.empty((nbytes,), torch.uint8)
+        src = torch.ones(nbytes if dist.get_rank() == 0 else 0, dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        bodies = {}
+        for c in contenders:  # (body, iterations): both move `messages` messages of nbytes
+            bodies["one_way", c] = (_one_way(comm, c, send, recv[c], window), rounds)
+            bodies["exchange", c] = (_exchange(comm, c, send, recv[c]), messages)
+        for body, _ in bodies.values():  # warm: first touch of every buffer, connections
+            body()
+        _memcpy_gbps(src, dst, nbytes, 1, group)
+        gbps: dict[tuple[str, str], list[float]] = {key: [] for key in bodies}
+        copy: dict[tuple[str, str], list[float]] = {key: [] for key in bodies}
+        for _ in range(cfg["repeats"]):
+            for key, (body, iterations) in bodies.items():
+                copy[key].append(_memcpy_gbps(src, dst, nbytes, messages, group))
+                gbps[key].append(nbytes * messages / timed_loop(body, iterations, 0, group) / 1e9)
+        copies = [g for v in copy.values() for g in v]
+        memcpy.append({"bytes": nbytes, "gbps": median(copies), "spread": spread(copies)})
+        for pattern in PATTERNS:
+            points[pattern].append({
+                "bytes": nbytes, "messages": messages,
+                "gbps": {c: median(gbps[pattern, c]) for c in contenders},
+                "of_memcpy": {c: spread([g / m for g, m in zip(gbps[pattern, c], copy[pattern, c])])
+                              for c in contenders},
+                "repeats": {c: {"gbps": gbps[pattern, c], "memcpy_gbps": copy[pattern, c]} for c in contenders},
+            })
+        say(f"bandwidth {human_bytes(nbytes):>8}  memcpy {memcpy[-1]['gbps']:6.2f} GB/s | " + " | ".join(
+            f"{pattern} " + "  ".join(f"{c} {points[pattern][-1]['gbps'][c]:6.2f} "
+                                      f"({points[pattern][-1]['of_memcpy'][c]['median']:.2f})" for c in contenders)
+            for pattern in PATTERNS) + "  GB/s (of memcpy)")
+    return {**points, "memcpy": memcpy, "repeats": cfg["repeats"], "arena": arena}

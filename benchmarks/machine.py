@@ -1,4 +1,6 @@
-"""What a result was measured on: CPU, cores, kernel, library versions, the package's commit."""
+"""What a result was measured on: CPU, cores, kernel, library versions, the package's commit,
+and the package's environment variables (MEGATRON_P2P_*, such as the arena's size), which
+change what is measured."""
 from __future__ import annotations
 
 import os
@@ -48,4 +50,5 @@ def describe() -> dict:
         "megatron_core": _version("megatron-core"),
         "commit": (_git("rev-parse", "HEAD") or "unknown") + ("-dirty" if dirty else ""),
         "load_average": list(os.getloadavg()),
+        "package_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MEGATRON_P2P_")},
     }

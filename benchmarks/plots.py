@@ -1,5 +1,6 @@
 """PNG plots of one run: latency against size, bandwidth against size beside the memcpy line,
-and pipeline step time against ranks."""
+and pipeline step time against ranks. Repeated figures are drawn at their median, with bars
+from the smallest to the largest repetition where the JSON keeps them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tables import NAMES  # noqa: E402
+from tables import name  # noqa: E402
 from timing import human_bytes  # noqa: E402
 
 
@@ -20,14 +21,19 @@ def _size_axis(ax, sizes: list[int]) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _bars(values: list[list[float]], medians: list[float]) -> list[list[float]]:
+    """matplotlib's yerr: each point's distance down to its smallest and up to its largest value."""
+    return [[max(0.0, m - min(v)) for v, m in zip(values, medians)], [max(0.0, max(v) - m) for v, m in zip(values, medians)]]
+
+
 def latency(points: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sizes = [max(p["bytes"], 1) for p in points]  # 0 B sits at 1 on the log axis
     for c in points[0]["us"]:
         med = [p["us"][c]["median_us"] for p in points]
         p99 = [p["us"][c]["p99_us"] for p in points]
-        line, = ax.plot(sizes, med, "o-", label=f"{NAMES[c]} median")
-        ax.plot(sizes, p99, "x:", color=line.get_color(), alpha=0.6, label=f"{NAMES[c]} p99")
+        line, = ax.plot(sizes, med, "o-", label=f"{name(c)} median")
+        ax.plot(sizes, p99, "x:", color=line.get_color(), alpha=0.6, label=f"{name(c)} p99")
     _size_axis(ax, sizes)
     ax.set_xticklabels([human_bytes(p["bytes"]) for p in points], rotation=30)
     ax.set_yscale("log")
@@ -47,7 +53,9 @@ def bandwidth(bw: dict, path: Path) -> None:
                                (axes[1], "exchange", "Bidirectional exchange (per direction)")):
         ax.plot(sizes, [p["gbps"] for p in bw["memcpy"]], "k--", label="single-thread memcpy (one-copy limit)")
         for c in bw[pattern][0]["gbps"]:
-            ax.plot(sizes, [p["gbps"][c] for p in bw[pattern]], "o-", label=NAMES[c])
+            medians = [p["gbps"][c] for p in bw[pattern]]
+            ax.errorbar(sizes, medians, yerr=_bars([p["repeats"][c]["gbps"] for p in bw[pattern]], medians),
+                        fmt="o-", capsize=3, label=name(c))
         _size_axis(ax, sizes)
         ax.set_xlabel("message size")
         ax.set_title(title)
@@ -65,8 +73,9 @@ def step_time(points: list[dict], path: Path) -> None:
         style = "o-" if nbytes == sizes[0] else "s--"
         rows = sorted((p for p in points if p["bytes"] == nbytes), key=lambda p: p["pp"])
         for i, c in enumerate(rows[0]["step_ms"]):
-            ax.plot([p["pp"] for p in rows], [p["step_ms"][c] for p in rows], style, color=f"C{i}",
-                    label=f"{NAMES[c]}, {human_bytes(nbytes)}")
+            medians = [p["step_ms"][c] for p in rows]
+            ax.errorbar([p["pp"] for p in rows], medians, yerr=_bars([p["rounds_ms"][c] for p in rows], medians),
+                        fmt=style, capsize=3, color=f"C{i}", label=f"{name(c)}, {human_bytes(nbytes)}")
     ranks = sorted({p["pp"] for p in points})
     ax.set_xscale("log", base=2)
     ax.set_xticks(ranks)

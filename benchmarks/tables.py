@@ -1,10 +1,15 @@
-"""The printed tables (Markdown, so RESULTS.md can hold them as they are)."""
+"""The printed tables (Markdown, so RESULTS.md can hold them as they are). A repeated figure
+reads "median [min-max]" over the repetitions."""
 from __future__ import annotations
 
-from timing import human_bytes
+from typing import Any
+
+import goals
+from timing import human_bytes, ranged
 
 NAMES = {
     "megatron_p2p": "megatron_p2p shm",
+    "megatron_p2p_arena": "megatron_p2p shm, arena buffers",
     "gloo_isend_irecv": "gloo isend/irecv",
     "gloo_batch_isend_irecv": "gloo batch_isend_irecv",
     "torch_isend_irecv": "torch.distributed isend/irecv x4",
@@ -16,55 +21,86 @@ NAMES = {
 }
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def name(contender: str) -> str:
+    """A contender's name in tables and plots (one a section adds later reads as its key)."""
+    if contender in NAMES:
+        return NAMES[contender]
+    return contender.replace("megatron_p2p_", "megatron_p2p ") if "null" in contender else contender
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def latency(points: list[dict]) -> str:
-    contenders = list(points[0]["us"])
-    rows = [[human_bytes(p["bytes"])] +
-            [f"{p['us'][c]['median_us']:.2f} / {p['us'][c]['p99_us']:.1f}" for c in contenders] +
-            [f"{min(p['us'][c]['median_us'] for c in contenders[1:]) / p['us'][contenders[0]]['median_us']:.1f}x"]
-            for p in points]
-    return _table(["size"] + [f"{NAMES[c]} median / p99 (us)" for c in contenders] + ["gloo / this"], rows)
+def latency(repeats: list[list[dict]]) -> str:
+    contenders = list(repeats[0][0]["us"])
+    rows = []
+    for i, p in enumerate(repeats[0]):
+        reps: list[dict[str, Any]] = [r[i]["us"] for r in repeats]
+
+        def of(c: str, figure: str, reps=reps) -> list[float]:
+            return [u[c][figure] for u in reps]
+
+        gloo_ratio = [goals.gloo_over_ours(u) for u in reps]
+        rows.append([human_bytes(p["bytes"])] +
+                    [f"{ranged(of(c, 'median_us'))} / {ranged(of(c, 'p99_us'), '.1f')}" for c in contenders] +
+                    [f"{ranged(gloo_ratio, '.1f')}x"])
+    return markdown_table(["size"] + [f"{name(c)} median / p99 (us)" for c in contenders] + ["gloo / this"], rows)
+
+
+def spread_text(s: dict[str, float]) -> str:
+    return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def _bandwidth_pattern(bw: dict, pattern: str) -> str:
+    copy = {p["bytes"]: p for p in bw["memcpy"]}
+    contenders = list(bw[pattern][0]["gbps"])
+    rows = []
+    for p in bw[pattern]:
+        rows.append([human_bytes(p["bytes"]), spread_text(copy[p["bytes"]]["spread"])] +
+                    [f"{p['gbps'][c]:.2f} ({spread_text(p['of_memcpy'][c])})" for c in contenders])
+    return markdown_table(["size", "memcpy"] + [name(c) for c in contenders], rows)
 
 
 def bandwidth(bw: dict) -> str:
-    copy = {p["bytes"]: p["gbps"] for p in bw["memcpy"]}
-    contenders = list(bw["one_way"][0]["gbps"])
-    rows = []
-    for one, both in zip(bw["one_way"], bw["exchange"]):
-        rows.append([human_bytes(one["bytes"]), f"{copy[one['bytes']]:.2f}"] +
-                    [f"{one['gbps'][c]:.2f}" for c in contenders] + [f"{both['gbps'][c]:.2f}" for c in contenders])
-    header = (["size", "memcpy"] + [f"one-way {NAMES[c]}" for c in contenders] +
-              [f"exchange {NAMES[c]}" for c in contenders])
-    return "GB/s (10^9 bytes per second; the exchange per direction)\n\n" + _table(header, rows)
+    arena = bw["arena"]
+    size = f" (arena_bytes {human_bytes(arena['arena_bytes'])})" if arena["arena_bytes"] else ""
+    return ("Median GB/s (10^9 bytes per second; the exchange per direction), then in parentheses the ratio "
+            "to the memcpy measured beside it, median [min-max]; memcpy: median [min-max] GB/s. "
+            f"megatron_p2p shm receives into plain tensors (the CMA path). Arena: {arena['note']}{size}."
+            "\n\nOne-way stream\n\n" + _bandwidth_pattern(bw, "one_way") +
+            "\n\nBidirectional exchange\n\n" + _bandwidth_pattern(bw, "exchange"))
 
 
-def overhead(ov: dict) -> str:
-    rows = [[NAMES[c], f"{f['cpu_median_us']:.2f}", f"{f['wall_median_us']:.2f}"] for c, f in ov["us"].items()]
-    return (f"Posting one four-op exchange of {human_bytes(ov['bytes'])} tensors (median)\n\n" +
-            _table(["contender", "CPU time (us)", "wall time (us)"], rows))
+def overhead(ov: dict, repeats: list[dict]) -> str:
+    def of(c: str, figure: str) -> list[float]:
+        return [r["us"][c][figure] for r in repeats]
+
+    rows = [[name(c), ranged(of(c, "cpu_median_us")), ranged(of(c, "wall_median_us"))] for c in ov["us"]]
+    return (f"Posting one four-op exchange of {human_bytes(ov['bytes'])} tensors (each repetition's median)\n\n" +
+            markdown_table(["contender", "CPU time (us)", "wall time (us)"], rows))
 
 
 def pipeline(points: list[dict]) -> str:
     contenders = list(points[0]["step_ms"])
     rows = [[str(p["pp"]), f"{human_bytes(p['bytes'])} {p['dtype']} {'x'.join(map(str, p['shape']))}"] +
-            [f"{p['step_ms'][c]:.3f}" for c in contenders] for p in points]
-    return "Time per 1F1B steady-state step (ms)\n\n" + _table(
-        ["pp", "activation"] + [NAMES[c] for c in contenders], rows)
+            [ranged(p["rounds_ms"][c], ".3f") for c in contenders] + [f"{ranged(goals.step_ratios(p))}x"]
+            for p in points]
+    return "Time per 1F1B steady-state step (ms)\n\n" + markdown_table(
+        ["pp", "activation"] + [name(c) for c in contenders] + ["faster stock / slower megatron_p2p"], rows)
 
 
 def all_tables(results: dict) -> str:
     stock = results["stock"]
     parts = [
-        "### Latency (2 ranks, half round trip)\n\n" + latency(results["latency"]),
+        f"Every figure: median [min-max] over {results['repeats']} repetitions.",
+        "### Latency (2 ranks, half round trip)\n\n" + latency(results["latency_repeats"]),
         "### Bandwidth (2 ranks)\n\n" + bandwidth(results["bandwidth"]),
         "### Pipeline step\n\n" + pipeline(results["pipeline"]) +
         f"\n\nStock algorithm: {stock['what']}" + (f" {stock['version']}" if stock["version"] else "") +
         (f"; CPU shim: {stock['shim']}" if stock["shim"] else ""),
-        "### Host overhead (2 ranks)\n\n" + overhead(results["overhead"]),
+        "### Host overhead (2 ranks)\n\n" + overhead(results["overhead"], results["overhead_repeats"]),
     ]
     return "\n\n".join(parts)

@@ -1,9 +1,10 @@
-"""Small timing helpers shared by the benchmark sections."""
+"""Small timing helpers shared by the benchmark sections, and the statistics of a figure
+measured several times (its median and min-max spread over the repetitions)."""
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,3 +58,28 @@ def human_bytes(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return f"{n} B"
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """A repeated figure: its median over the repetitions, and their range (min-max)."""
+    return {"median": median(values), "min": min(values), "max": max(values)}
+
+
+def combine_repeats(repeats: Sequence[Any]) -> Any:
+    """One result shaped like each repetition's, every number the median over the repetitions
+    (a number all of them agree on, such as a size, kept as it is). Sections measured one
+    repetition per call (latency, overhead) are combined this way, whatever keys they report."""
+    first = repeats[0]
+    if isinstance(first, dict):
+        return {k: combine_repeats([r[k] for r in repeats]) for k in first}
+    if isinstance(first, list):
+        return [combine_repeats([r[i] for r in repeats]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return first if all(r == first for r in repeats) else median(repeats)
+    return first
+
+
+def ranged(values: Sequence[float], fmt: str = ".2f") -> str:
+    """A repeated figure as text: "median [min-max]"."""
+    s = spread(values)
+    return f"{s['median']:{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]"

@@ -1,6 +1,11 @@
 """One torchrun job of the benchmark suite (started by launch.py): sets up gloo and this
 package's communicators, runs the sections named in MP_BENCH_PARAMS (each on the first n ranks),
-and rank 0 writes their figures to MP_BENCH_RESULT. SIGUSR1 dumps every thread's stack."""
+and rank 0 writes their figures to MP_BENCH_RESULT. SIGUSR1 dumps every thread's stack.
+
+Every section is repeated `repeats` times: bandwidth and pipeline interleave their repetitions
+with their baselines inside one call; latency and overhead measure one repetition per call
+(their baselines interleaved inside it), so they are called once per repetition here and
+report a list of repetitions."""
 from __future__ import annotations
 
 import datetime
@@ -46,7 +51,10 @@ def main() -> None:
     for name, cfg in sections.items():
         for n in cfg["pp"] if name == "pipeline" else [cfg["ranks"]]:
             if me < n:
-                out = SECTIONS[name](comms[n], groups[n], cfg)
+                if name in REPEATED_HERE:
+                    out = [SECTIONS[name](comms[n], groups[n], cfg) for _ in range(cfg["repeats"])]
+                else:
+                    out = SECTIONS[name](comms[n], groups[n], cfg)
                 results[name] = results.get(name, []) + out if name == "pipeline" else out
             dist.barrier()
     if "pipeline" in sections:
@@ -63,6 +71,7 @@ def main() -> None:
 
 
 SECTIONS = {"latency": latency.run, "overhead": overhead.run, "bandwidth": bandwidth.run, "pipeline": pipeline.run}
+REPEATED_HERE = ("latency", "overhead")
 
 if __name__ == "__main__":
     main()

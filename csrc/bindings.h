@@ -11,6 +11,27 @@
 #include "trace.h"
 #include "transport.h"
 
+/* The torch.Tensor attributes the bindings read: properties first, then the methods they call
+ * with no arguments. */
+typedef enum {
+    MP_ATTR_LAYOUT = 0,
+    MP_ATTR_IS_NESTED,
+    MP_ATTR_DTYPE,
+    MP_ATTR_IS_CPU,
+    MP_ATTR_IS_CUDA,
+    MP_ATTR_DEVICE,
+    MP_ATTR_NBYTES,
+    MP_ATTR_SHAPE,
+    MP_ATTR_IS_CONJ,
+    MP_FIRST_METHOD_ATTR = MP_ATTR_IS_CONJ,
+    MP_ATTR_IS_NEG,
+    MP_ATTR_GET_DEVICE,
+    MP_ATTR_IS_CONTIGUOUS,
+    MP_ATTR_DATA_PTR,
+    MP_ATTR_UNTYPED_STORAGE,
+    MP_NUM_TENSOR_ATTRS,
+} mp_tensor_attr;
+
 typedef struct {
     PyObject *P2PError;
     PyObject *P2PTimeoutError;
@@ -21,7 +42,11 @@ typedef struct {
     PyObject *tensor_type;   /* torch.Tensor */
     PyObject *strided;       /* torch.strided: the one layout whose bytes are its values */
     PyObject *dtype_codes;   /* {torch.dtype: mp_dtype code} */
-    PyObject *str_shape, *str_dtype, *str_is_cpu, *str_is_cuda, *str_get_device, *str_untyped_storage, *str_is_contiguous, *str_nbytes, *str_data_ptr, *str_device, *str_layout, *str_is_nested, *str_is_conj, *str_is_neg;
+    PyObject *attr_names[MP_NUM_TENSOR_ATTRS];  /* interned */
+    /* The C descriptor (getset or method) each attribute resolves to on torch.Tensor, or NULL
+     * where it is something else: called directly on tensors of exactly those two types. */
+    PyObject *attr_descrs[MP_NUM_TENSOR_ATTRS];
+    PyObject *parameter_type; /* torch.nn.Parameter where it resolves them as torch.Tensor does, or NULL */
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;
 } mp_state;
@@ -70,6 +95,11 @@ typedef struct {
 } mp_buffer;
 
 mp_state *mp_state_from_type(PyTypeObject *tp);
+
+/* Finds the attributes' descriptors on torch.Tensor (module setup); -1 with an error set. */
+int mp_tensor_attrs_load(mp_state *st, PyObject *torch);
+/* obj.<attr>, or obj.<attr>() for a method: a new reference, or NULL with the error set. */
+PyObject *mp_tensor_attr_get(mp_state *st, PyObject *obj, mp_tensor_attr attr);
 
 /* Reads pointer, bytes and dtype of a contiguous tensor on `device` (-1: CPU); on a misuse
  * sets TypeError or ValueError naming `what` and returns -1. */

@@ -4,11 +4,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena_tensor.h"
 #include "bindings.h"
 #include <structmember.h> /* after Python.h */
 #include "clock.h"
 #include "dtype.h"
 #include "nccl.h"
+#include "null_transport.h"
 #include "plan.h"
 #include "shm.h"
 
@@ -197,7 +199,7 @@ out:
 }
 
 static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy, const int *pids,
-                          creation_wait *wait, mp_transport **t, char *err, size_t errlen)
+                          uint64_t arena_bytes, creation_wait *wait, mp_transport **t, char *err, size_t errlen)
 {
     const char *name = PyUnicode_Check(unique_id) ? PyUnicode_AsUTF8(unique_id) : NULL;
     if (!name || strlen(name) >= MP_SHM_NAME_LEN || name[0] != '/' || strchr(name + 1, '/')) {
@@ -216,6 +218,7 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
         .allow_cma = single_copy,
         .global_rank = self->global_ranks[self->group_rank],
         .pids = pids,
+        .arena_bytes = arena_bytes,
     };
     mp_interrupt interrupt;
     cfg.interrupt = &interrupt;
@@ -229,20 +232,23 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"backend", "unique_id", "group_rank", "ranks", "lanes", "eager_threshold", "timeout",
                              "single_copy", "device", "stream", "high_priority", "on_abort", "check", "pids",
-                             "peer_failed", NULL};
+                             "peer_failed", "arena_bytes", NULL};
     const char *backend;
     int group_rank, lanes = 2, single_copy = 1, device = -1, high_priority = 0, check = 0;
     PyObject *unique_id, *ranks, *stream_fn = Py_None, *on_abort = Py_None, *pids_obj = Py_None,
              *peer_failed = Py_None;
-    unsigned long long eager = 0;
+    unsigned long long eager = 0, arena_bytes = 0;
     double timeout = 300.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpOpOO:Communicator", kwlist, &backend, &unique_id,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOiO|$iKdpiOpOpOOK:Communicator", kwlist, &backend, &unique_id,
                                      &group_rank, &ranks, &lanes, &eager, &timeout, &single_copy, &device,
-                                     &stream_fn, &high_priority, &on_abort, &check, &pids_obj, &peer_failed))
+                                     &stream_fn, &high_priority, &on_abort, &check, &pids_obj, &peer_failed, &arena_bytes))
         return NULL;
     mp_state *st = mp_state_from_type(type);
     int is_nccl = strcmp(backend, "nccl") == 0;
-    if (!is_nccl && strcmp(backend, "shm") != 0)
+    /* "null" is for benchmarks only (not one of init_communicator's backends): it completes every op
+     * at once, so that a call on it costs the binding layer alone. */
+    int is_null = strcmp(backend, "null") == 0;
+    if (!is_nccl && !is_null && strcmp(backend, "shm") != 0)
         return PyErr_Format(PyExc_ValueError, "backend must be 'shm' or 'nccl', got %R", PyTuple_GET_ITEM(args, 0));
     if (lanes != 1 && lanes != 2)
         return PyErr_Format(PyExc_ValueError, "lanes must be 1 (one ordered queue) or 2 (one per direction), got %d",
@@ -263,6 +269,12 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return PyErr_Format(PyExc_TypeError, "on_abort must be callable or None");
     if (peer_failed != Py_None && !PyCallable_Check(peer_failed))
         return PyErr_Format(PyExc_TypeError, "peer_failed must be callable or None");
+    if (arena_bytes && is_nccl)
+        return PyErr_Format(PyExc_ValueError, "arena_bytes is a property of the shm backend: NCCL receives into "
+                            "device memory");
+    if (arena_bytes > MP_ARENA_MAX_BYTES)
+        return PyErr_Format(PyExc_ValueError, "arena_bytes must be at most %llu (64 GiB), got %llu",
+                            MP_ARENA_MAX_BYTES, arena_bytes);
     if (check && !is_nccl)
         return PyErr_Format(PyExc_ValueError, "check (debug matching) is for backend 'nccl'; shm always compares "
                             "bytes and dtype");
@@ -309,7 +321,8 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     mp_transport *t = NULL;
     creation_wait wait = {.peer_failed = peer_failed != Py_None ? peer_failed : NULL, .error = st->P2PError};
     mp_result r = is_nccl ? open_nccl(self, unique_id, high_priority, &wait, &t, err, sizeof err, &unavailable)
-                          : open_shm(self, unique_id, single_copy, pids, &wait, &t, err, sizeof err);
+                : is_null ? mp_null_open(group_rank, self->size, lanes, &t)
+                          : open_shm(self, unique_id, single_copy, pids, arena_bytes, &wait, &t, err, sizeof err);
     PyMem_Free(pids);
     if (r == MP_ERR_INTERRUPTED) /* a signal handler's exception, or a peer's failure, is set */
         goto fail;
@@ -611,7 +624,7 @@ void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
 /* Debug matching compares shapes: the tensor's, read here (torch.Size is a tuple). */
 static int read_shape(CommObject *self, PyObject *tensor, mp_op *op)
 {
-    PyObject *shape = PyObject_GetAttr(tensor, self->state->str_shape);
+    PyObject *shape = mp_tensor_attr_get(self->state, tensor, MP_ATTR_SHAPE);
     if (!shape)
         return -1;
     Py_ssize_t ndim = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
@@ -954,10 +967,21 @@ static PyObject *comm_exit(CommObject *self, PyObject *Py_UNUSED(args))
 
 static PyObject *comm_stats(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:d}", "sends", (unsigned long long)self->sends, "recvs",
-                         (unsigned long long)self->recvs, "bytes_sent", (unsigned long long)self->bytes_sent,
-                         "bytes_received", (unsigned long long)self->bytes_received, "wait_seconds",
-                         self->wait_seconds);
+    PyObject *stats = Py_BuildValue("{s:K,s:K,s:K,s:K,s:d}", "sends", (unsigned long long)self->sends, "recvs",
+                                    (unsigned long long)self->recvs, "bytes_sent", (unsigned long long)self->bytes_sent,
+                                    "bytes_received", (unsigned long long)self->bytes_received, "wait_seconds",
+                                    self->wait_seconds);
+    uint64_t paths[MP_SHM_NPATHS];
+    if (!stats || !self->transport || !mp_shm_received_by_path(self->transport, paths))
+        return stats;
+    PyObject *by_path = Py_BuildValue("{s:K,s:K,s:K,s:K}", "inline", (unsigned long long)paths[SHM_PATH_INLINE],
+                                      "single_copy", (unsigned long long)paths[SHM_PATH_CMA], "bounce",
+                                      (unsigned long long)paths[SHM_PATH_BOUNCE], "arena",
+                                      (unsigned long long)paths[SHM_PATH_ARENA]);
+    if (!by_path || PyDict_SetItemString(stats, "received_by_path", by_path) < 0)
+        Py_CLEAR(stats);
+    Py_XDECREF(by_path);
+    return stats;
 }
 
 static PyObject *comm_check_tensor(CommObject *self, PyObject *args)
@@ -1088,6 +1112,8 @@ static PyGetSetDef comm_getset[] = {
     {"timeout", (getter)get_timeout, NULL, "Default deadline of a wait, in seconds.", NULL},
     {"eager_threshold", (getter)get_eager, NULL, "Sends up to this many bytes complete without a posted receive.", NULL},
     {"backend", (getter)get_backend, NULL, "The transport: 'shm' or 'nccl'.", NULL},
+    {"arena_bytes", (getter)mp_comm_arena_bytes, NULL,
+     "Size of this rank's receive arena (shm; 0: none), from which empty() allocates.", NULL},
     {"device", (getter)get_device, NULL, "CUDA ordinal of the tensors it carries; -1 for CPU memory.", NULL},
     {"closed", (getter)get_closed, NULL, "True after close().", NULL},
     {"id", (getter)get_id, NULL, "Names this communicator: the same on all its ranks, different for every other.", NULL},
@@ -1117,7 +1143,14 @@ static PyMethodDef comm_methods[] = {
      "cause; reason: why, quoted by the failures it causes."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
-    {"stats", (PyCFunction)comm_stats, METH_NOARGS, "Messages and bytes posted, and seconds spent in wait()."},
+    {"stats", (PyCFunction)comm_stats, METH_NOARGS,
+     "Messages and bytes posted, and seconds spent in wait(); shm also counts the messages received by each path: "
+     "inline (in the descriptor), single_copy (process_vm_readv by the receiver), bounce (two copies through the "
+     "segment) and arena (written into the receive buffer by the sender)."},
+    {"empty", (PyCFunction)(void (*)(void))mp_comm_empty, METH_VARARGS | METH_KEYWORDS,
+     "empty(shape, dtype) -> Tensor: an uninitialised receive buffer. On shm it lies in this rank's "
+     "arena, which its peers have mapped, so a send into it is one copy by the sender; it falls back "
+     "to plain memory (logged once) when the arena is full. On nccl, torch.empty on the device."},
     {"recent_ops", (PyCFunction)comm_recent_ops, METH_NOARGS,
      "recent_ops() -> list[dict]: the last ops this rank posted (up to 1024), oldest first: kind, label, peer "
      "(global rank), nbytes, dtype, lane, step (per lane), seq (per pair and lane), group_size, call (the k-th "

@@ -174,6 +174,8 @@ static int load_torch(mp_state *st)
         Py_XDECREF(c);
         Py_DECREF(dt);
     }
+    if (rc == 0)
+        rc = mp_tensor_attrs_load(st, torch);
     Py_DECREF(torch);
     return rc;
 }
@@ -206,24 +208,6 @@ static int module_exec(PyObject *mod)
         return -1;
     if (load_torch(st) < 0)
         return -1;
-#define INTERN(field, text) \
-    if (!(st->field = PyUnicode_InternFromString(text))) \
-        return -1;
-    INTERN(str_shape, "shape")
-    INTERN(str_dtype, "dtype")
-    INTERN(str_is_cpu, "is_cpu")
-    INTERN(str_is_cuda, "is_cuda")
-    INTERN(str_get_device, "get_device")
-    INTERN(str_untyped_storage, "untyped_storage")
-    INTERN(str_is_contiguous, "is_contiguous")
-    INTERN(str_nbytes, "nbytes")
-    INTERN(str_data_ptr, "data_ptr")
-    INTERN(str_device, "device")
-    INTERN(str_layout, "layout")
-    INTERN(str_is_nested, "is_nested")
-    INTERN(str_is_conj, "is_conj")
-    INTERN(str_is_neg, "is_neg")
-#undef INTERN
     if (PyModule_AddFunctions(mod, mp_nccl_methods) < 0 || PyModule_AddFunctions(mod, mp_simulate_methods) < 0)
         return -1;
     st->CommunicatorType = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &mp_communicator_spec, NULL);
@@ -238,6 +222,9 @@ static int module_exec(PyObject *mod)
     rc = names ? PyModule_AddObjectRef(mod, "DTYPE_NAMES", names) : -1;
     Py_XDECREF(names);
     if (rc < 0)
+        return -1;
+    if (PyModule_AddIntConstant(mod, "DEFAULT_ARENA_BYTES", (long)MP_ARENA_DEFAULT_BYTES) < 0 ||
+        PyModule_AddIntConstant(mod, "MAX_ARENA_BYTES", (long)MP_ARENA_MAX_BYTES) < 0)
         return -1;
     return PyModule_AddIntConstant(mod, "MAX_EAGER_THRESHOLD", MP_SHM_MAX_EAGER);
 }
@@ -254,6 +241,9 @@ static int module_traverse(PyObject *mod, visitproc visit, void *arg)
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->strided);
     Py_VISIT(st->dtype_codes);
+    Py_VISIT(st->parameter_type);
+    for (int a = 0; a < MP_NUM_TENSOR_ATTRS; a++)
+        Py_VISIT(st->attr_descrs[a]);
     Py_VISIT(st->CommunicatorType);
     Py_VISIT(st->RequestType);
     return 0;
@@ -271,20 +261,11 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->strided);
     Py_CLEAR(st->dtype_codes);
-    Py_CLEAR(st->str_shape);
-    Py_CLEAR(st->str_dtype);
-    Py_CLEAR(st->str_is_cpu);
-    Py_CLEAR(st->str_is_cuda);
-    Py_CLEAR(st->str_get_device);
-    Py_CLEAR(st->str_untyped_storage);
-    Py_CLEAR(st->str_is_contiguous);
-    Py_CLEAR(st->str_nbytes);
-    Py_CLEAR(st->str_data_ptr);
-    Py_CLEAR(st->str_device);
-    Py_CLEAR(st->str_layout);
-    Py_CLEAR(st->str_is_nested);
-    Py_CLEAR(st->str_is_conj);
-    Py_CLEAR(st->str_is_neg);
+    Py_CLEAR(st->parameter_type);
+    for (int a = 0; a < MP_NUM_TENSOR_ATTRS; a++) {
+        Py_CLEAR(st->attr_names[a]);
+        Py_CLEAR(st->attr_descrs[a]);
+    }
     Py_CLEAR(st->CommunicatorType);
     Py_CLEAR(st->RequestType);
     return 0;

@@ -59,6 +59,8 @@ typedef struct mp_op {
     void *fence;          /* device transports: what completes it */
     struct mp_op *next_settled; /* shm: the next op of its step done but not yet shown done */
     int captured;         /* device transports: posted into a CUDA graph capture; stream-ordered only */
+    void *remote;         /* shm send: the receiver's arena buffer, as mapped here */
+    int offered;          /* shm receive: its arena buffer is offered, and the sender may still write it */
 } mp_op;
 
 /* A group of ops issued together on one lane. Owned by the transport once posted; an op's

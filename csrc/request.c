@@ -14,7 +14,7 @@ RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffe
 {
     /* Megatron's deallocate_output_tensor swaps `out.data` while its send may be in flight
      * (Megatron-LM PR #4047): holding the storage keeps the bytes being sent alive. */
-    PyObject *storage = PyObject_CallMethodNoArgs(tensor, comm->state->str_untyped_storage);
+    PyObject *storage = mp_tensor_attr_get(comm->state, tensor, MP_ATTR_UNTYPED_STORAGE);
     if (!storage)
         return NULL;
     RequestObject *req = PyObject_New(RequestObject, comm->state->RequestType);

@@ -20,6 +20,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "arena.h"
 #include "clock.h"
 #include "dtype.h"
 #include "shm_corrupt.h"
@@ -43,7 +44,7 @@
 #define MAX_THREADS_IN_WAIT (1u << 16) /* a bound on a rank's `driving` and `waiting` counts */
 #define EXIT_GRACE 0.2 /* seconds from a process unmapping its memory to its exit, at most */
 
-enum { PH_NEW = 0, PH_STREAM, PH_WAIT_DONE, PH_COPY_CMA, PH_COPY_BOUNCE, PH_SKIP };
+enum { PH_NEW = 0, PH_ARENA, PH_STREAM, PH_WAIT_DONE, PH_COPY_CMA, PH_COPY_BOUNCE, PH_SKIP };
 
 /* This process's view of a channel: sender fields for (lane, me -> peer), receiver fields for
  * (lane, peer -> me). */
@@ -56,7 +57,7 @@ typedef struct {
     uint64_t chunks_in;  /* bounce chunks consumed */
     uint64_t copy_addr;  /* the sender's buffer of the receive being copied (one at a time) */
     /* The peer's counters as last read: they never go back. */
-    uint64_t done_seen, consumed_seen, posted_seen, produced_seen;
+    uint64_t done_seen, consumed_seen, posted_seen, produced_seen, active_seen;
     /* Sender side: the channel's inline slots and bounce chunks are backed by memory (the
      * segment is sparse; see shm_segment_commit). */
     uint8_t inline_committed, bounce_committed;
@@ -76,6 +77,10 @@ typedef struct {
     chan_local *in;   /* [lane][peer] */
     step_queue *lanes;
     uint64_t probe_word;
+    mp_arena *arena;          /* this rank's receive arena (a reference), or NULL */
+    char **peer_arenas;       /* per peer: its arena as mapped here, or NULL */
+    _Atomic uint64_t received[MP_SHM_NPATHS]; /* messages received by each path */
+    uint64_t *peer_arena_bytes;
 
     pthread_t thread;
     int thread_started;
@@ -186,6 +191,8 @@ static int read_counter(shm_t *s, const mp_op *op, _Atomic uint64_t *word, const
  * op; a failure shows at once. Once DONE a Request may be freed at any moment. */
 static void finish(shm_t *s, mp_step *step, mp_op *op, mp_result r)
 {
+    if (op->offered && r != MP_OK)
+        mp_arena_quarantine(s->arena, op->buf); /* its sender may still be writing into it */
     step->ops[op->index] = NULL;
     op->result = r;
     if (--step->remaining > 0 && r == MP_OK) {
@@ -293,6 +300,52 @@ static int commit_region(shm_t *s, mp_step *step, mp_op *op, uint8_t *committed,
     return -1;
 }
 
+/* Fills message op->seq's descriptor and publishes it to the receiver. */
+static void post_descriptor(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl, uint32_t path)
+{
+    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
+    sl->nbytes = op->nbytes;
+    sl->dtype = op->dtype;
+    sl->label = (uint32_t)op->label;
+    sl->addr = (uint64_t)(uintptr_t)op->buf;
+    sl->result = MP_OK;
+    sl->path = path;
+    if (path == SHM_PATH_INLINE && op->nbytes)
+        memcpy(shm_inline_at(&s->v, c, op->seq), op->buf, op->nbytes);
+    atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
+    cl->published = op->seq + 1;
+    ring_peer(s, op);
+}
+
+/* For a send too large for its slot, to a peer with an arena: 1 when the receiver offered a
+ * buffer for exactly this message (op->remote is set), 0 when it made its receive active without
+ * one, -1 while its receive is not active yet (it offers it then), -2 once the segment is
+ * reported corrupt. */
+static int take_offer(shm_t *s, mp_op *op, shm_chan *ch, chan_local *cl)
+{
+    uint64_t active;
+    if (read_counter(s, op, &ch->recv_posted, "recv_posted", &cl->active_seen, &ch->recv_issued, 0, &active) < 0)
+        return -2;
+    shm_offer *o = &ch->offers[op->seq % SHM_NSLOTS];
+    if (atomic_load_explicit(&o->seq, memory_order_acquire) != op->seq + 1)
+        return active > op->seq ? 0 : -1;
+    uint64_t offset = o->offset, nbytes = o->nbytes;
+    int32_t dtype = o->dtype;
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(&o->seq, memory_order_relaxed) != op->seq + 1 || nbytes != op->nbytes ||
+        dtype != op->dtype)
+        return 0; /* rewritten meanwhile, or the receiver expects another message: it says so */
+    uint64_t limit = s->peer_arena_bytes[op->peer];
+    if (offset > limit || nbytes > limit - offset) {
+        found_corrupt(s, "arena offer for message #%llu to rank %d: offset %#llx + nbytes %llu is beyond its arena "
+                      "of %llu bytes", (unsigned long long)op->seq, op->peer_global, (unsigned long long)offset,
+                      (unsigned long long)nbytes, (unsigned long long)limit);
+        return -2;
+    }
+    op->remote = s->peer_arenas[op->peer] + offset;
+    return 1;
+}
+
 static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
 {
     if (cl->published != op->seq)
@@ -302,43 +355,54 @@ static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan
         return 1;
     if (done + SHM_NSLOTS <= op->seq)
         return 0; /* every descriptor slot still holds an unfinished message */
+    int large = op->nbytes > s->v.lay.slot_bytes;
+    if (large && s->peer_arenas[op->peer]) {
+        int offered = take_offer(s, op, ch, cl);
+        if (offered == -2)
+            return 1;
+        if (offered < 0)
+            return 0;
+        if (offered) {
+            atomic_store_explicit(&op->matched, 1, memory_order_relaxed);
+            op->phase = PH_ARENA;
+            op->progress = 0;
+            return 1;
+        }
+    }
     uint8_t single_copy =
-        op->nbytes > s->v.lay.slot_bytes ? atomic_load_explicit(shm_cma_at(&s->v, op->peer, s->base.rank),
-                                                                memory_order_relaxed)
-                                         : 0;
+        large ? atomic_load_explicit(shm_cma_at(&s->v, op->peer, s->base.rank), memory_order_relaxed) : 0;
     if (single_copy > 1)
         return found_corrupt(s, "single-copy flag of rank %d for this rank = %u", op->peer_global, single_copy);
-    int backed = op->nbytes <= s->v.lay.slot_bytes
-                     ? !op->nbytes || commit_region(s, step, op, &cl->inline_committed, shm_inline_at(&s->v, c, 0),
-                                                    (uint64_t)SHM_NSLOTS * s->v.lay.slot_bytes, "inline slots") == 0
-                     : single_copy || commit_region(s, step, op, &cl->bounce_committed, shm_chunk_at(&s->v, c, 0),
-                                                    (uint64_t)SHM_NCHUNKS * s->v.lay.chunk_bytes, "bounce buffer") == 0;
+    int backed = !large ? !op->nbytes || commit_region(s, step, op, &cl->inline_committed, shm_inline_at(&s->v, c, 0),
+                                                       (uint64_t)SHM_NSLOTS * s->v.lay.slot_bytes, "inline slots") == 0
+                        : single_copy || commit_region(s, step, op, &cl->bounce_committed, shm_chunk_at(&s->v, c, 0),
+                                                       (uint64_t)SHM_NCHUNKS * s->v.lay.chunk_bytes, "bounce buffer") == 0;
     if (!backed)
         return 1;
-    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
-    sl->nbytes = op->nbytes;
-    sl->dtype = op->dtype;
-    sl->label = (uint32_t)op->label;
-    sl->addr = (uint64_t)(uintptr_t)op->buf;
-    sl->result = MP_OK;
-    if (op->nbytes <= s->v.lay.slot_bytes) {
-        sl->path = SHM_PATH_INLINE;
-        if (op->nbytes)
-            memcpy(shm_inline_at(&s->v, c, op->seq), op->buf, op->nbytes);
-    } else {
-        sl->path = single_copy ? SHM_PATH_CMA : SHM_PATH_BOUNCE;
-    }
-    atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
-    cl->published = op->seq + 1;
-    ring_peer(s, op);
-    if (sl->path == SHM_PATH_INLINE && op->nbytes <= s->eager_threshold) {
+    uint32_t path = !large ? SHM_PATH_INLINE : single_copy ? SHM_PATH_CMA : SHM_PATH_BOUNCE;
+    post_descriptor(s, op, c, ch, cl, path);
+    if (path == SHM_PATH_INLINE && op->nbytes <= s->eager_threshold) {
         finish(s, step, op, MP_OK); /* buffered: completes without the receive */
         return 1;
     }
-    if (sl->path == SHM_PATH_BOUNCE) {
+    if (path == SHM_PATH_BOUNCE) {
         op->stream_index = cl->bounced++;
         op->phase = PH_STREAM;
     } else {
+        op->phase = PH_WAIT_DONE;
+    }
+    return 1;
+}
+
+/* The one copy of an arena send: straight into the receiver's buffer, a slice per pass so that
+ * ops on other lanes interleave; then the descriptor says the bytes are there. */
+static int copy_to_arena(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
+{
+    uint64_t n = op->nbytes - op->progress < COPY_CHUNK ? op->nbytes - op->progress : COPY_CHUNK;
+    memcpy((char *)op->remote + op->progress, (const char *)op->buf + op->progress, n);
+    op->progress += n;
+    if (op->progress == op->nbytes) {
+        post_descriptor(s, op, c, ch, cl, SHM_PATH_ARENA);
         op->phase = PH_WAIT_DONE;
     }
     return 1;
@@ -385,6 +449,8 @@ static int progress_send(shm_t *s, mp_step *step, mp_op *op)
         if (!step->ops[index])
             return moved; /* finished as an eager send */
     }
+    if (op->phase == PH_ARENA)
+        moved |= copy_to_arena(s, op, c, ch, cl);
     if (op->phase == PH_STREAM)
         moved |= stream_send(s, op, c, ch, cl);
     uint64_t done = 0;
@@ -450,13 +516,18 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
     uint64_t nbytes = sl->nbytes, addr = sl->addr;
     int32_t dtype = sl->dtype;
     uint32_t path = sl->path, label = sl->label;
-    const char *bad = path > SHM_PATH_BOUNCE                                           ? "path"
+    int offered = op->offered;
+    op->offered = 0; /* the sender has chosen: it writes into the buffer no more */
+    int copies = path == SHM_PATH_CMA || path == SHM_PATH_BOUNCE;
+    const char *bad = path > SHM_PATH_ARENA                                            ? "path"
                     : dtype < 0 || dtype >= MP_NUM_DTYPES                               ? "dtype"
                     : label >= MP_NUM_LABELS                                            ? "label"
                     : (path == SHM_PATH_INLINE) != (nbytes <= s->v.lay.slot_bytes) || nbytes >= USER_SPACE_END
                         ? "nbytes"
-                    : path != SHM_PATH_INLINE && (addr >= USER_SPACE_END || nbytes > USER_SPACE_END - addr) ? "addr"
-                                                                                                            : NULL;
+                    : path == SHM_PATH_ARENA && (!offered || nbytes != op->nbytes || dtype != op->dtype)
+                        ? "path (the arena holds no message of this receive)"
+                    : copies && (addr >= USER_SPACE_END || nbytes > USER_SPACE_END - addr) ? "addr"
+                                                                                          : NULL;
     if (bad)
         return found_corrupt(s, "descriptor of message #%llu from rank %d: %s (path %u, %llu bytes of dtype %d at "
                              "%#llx, label %u)", (unsigned long long)op->seq, op->peer_global, bad, path,
@@ -478,8 +549,9 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
         return 1;
     }
     atomic_store_explicit(&op->matched, 1, memory_order_relaxed);
-    if (path == SHM_PATH_INLINE) {
-        if (nbytes)
+    atomic_fetch_add_explicit(&s->received[path], 1, memory_order_relaxed);
+    if (path == SHM_PATH_INLINE || path == SHM_PATH_ARENA) {
+        if (path == SHM_PATH_INLINE && nbytes)
             memcpy(op->buf, shm_inline_at(&s->v, c, op->seq), nbytes);
         recv_done(s, step, op, ch, cl, MP_OK);
         return 1;
@@ -611,9 +683,22 @@ static void activate(shm_t *s, mp_step *step)
         atomic_store_explicit(&op->state, MP_OP_ACTIVE, memory_order_relaxed);
         if (op->kind == MP_RECV) {
             shm_chan *ch = shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
-            /* Release: a peer that reads it then reads recv_issued, which must not look smaller. */
+            int large = op->nbytes > s->v.lay.slot_bytes;
+            uint64_t offset;
+            if (s->arena && large && mp_arena_holds(s->arena, op->buf, op->nbytes, &offset)) {
+                shm_offer *o = &ch->offers[op->seq % SHM_NSLOTS];
+                o->offset = offset;
+                o->nbytes = op->nbytes;
+                o->dtype = op->dtype;
+                atomic_store_explicit(&o->seq, op->seq + 1, memory_order_release);
+                op->offered = 1;
+            }
+            /* Release: a peer that reads it then reads recv_issued, which must not look smaller,
+             * and the offer, which must be there. */
             if (atomic_load_explicit(&ch->recv_posted, memory_order_relaxed) < op->seq + 1)
                 atomic_store_explicit(&ch->recv_posted, op->seq + 1, memory_order_release);
+            if (s->arena && large)
+                ring_peer(s, op); /* its large send waits for this receive to be active */
         }
     }
     step->activated = 1;
@@ -1183,6 +1268,9 @@ static void shm_destroy(mp_transport *t)
         atomic_store(&my_slot(s)->state, SHM_RANK_CLOSED);
         shm_segment_unmap(&s->v);
     }
+    for (int r = 0; s->peer_arenas && r < t->size; r++)
+        mp_arena_unmap_peer(s->peer_arenas[r], s->peer_arena_bytes[r]);
+    mp_arena_release(s->arena); /* its blocks that tensors still hold keep it mapped */
     for (int r = 0; s->pidfds && r < t->size; r++)
         if (s->pidfds[r] >= 0)
             close(s->pidfds[r]);
@@ -1190,6 +1278,8 @@ static void shm_destroy(mp_transport *t)
     pthread_mutex_destroy(&s->engine);
     free(s->pidfds);
     free(s->pids);
+    free(s->peer_arenas);
+    free(s->peer_arena_bytes);
     free(s->out);
     free(s->in);
     free(s->lanes);
@@ -1271,6 +1361,46 @@ static void probe_single_copy(shm_t *s, int allow)
     }
 }
 
+/* "/mp2p-<owner's pid>-<the segment's random part>-a<rank>": unguessable like the segment's
+ * name, and the stale sweep knows the owner. */
+static void arena_name(const char *segment, pid_t owner, int rank, char *buf, size_t len)
+{
+    const char *random = strrchr(segment, '-');
+    snprintf(buf, len, "/mp2p-%d%s-a%d", (int)owner, random ? random : "-", rank);
+}
+
+/* Maps every peer's receive arena, whose size each published before attaching. */
+static mp_result map_peer_arenas(shm_t *s, const char *segment, char *err, size_t errlen)
+{
+    for (int r = 0; r < s->base.size; r++) {
+        uint64_t bytes = shm_rank_at(&s->v, r)->arena_bytes;
+        if (r == s->base.rank || !bytes)
+            continue;
+        char name[MP_SHM_NAME_LEN + 32];
+        arena_name(segment, s->pids[r], r, name, sizeof name);
+        mp_result res = mp_arena_map_peer(name, bytes, &s->peer_arenas[r], err, errlen);
+        if (res != MP_OK)
+            return res;
+        s->peer_arena_bytes[r] = bytes;
+    }
+    return MP_OK;
+}
+
+/* Once every rank is ready, every arena is mapped by all (or the job failed): each rank removes
+ * every name, so that none is left when any rank's creation returns. */
+static void unlink_arenas(shm_t *s, const char *segment)
+{
+    if (s->arena)
+        mp_arena_unlink(s->arena);
+    for (int r = 0; r < s->base.size; r++) {
+        if (r == s->base.rank || !shm_rank_at(&s->v, r)->arena_bytes)
+            continue;
+        char name[MP_SHM_NAME_LEN + 32];
+        arena_name(segment, s->pids[r], r, name, sizeof name);
+        shm_unlink(name);
+    }
+}
+
 static int open_pidfd(pid_t pid)
 {
 #ifdef SYS_pidfd_open
@@ -1302,7 +1432,9 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->out = calloc(nchan, sizeof(chan_local));
     s->in = calloc(nchan, sizeof(chan_local));
     s->lanes = calloc((size_t)cfg->nlanes, sizeof(step_queue));
-    if (!s->pidfds || !s->pids || !s->out || !s->in || !s->lanes) {
+    s->peer_arenas = calloc((size_t)cfg->size, sizeof(char *));
+    s->peer_arena_bytes = calloc((size_t)cfg->size, sizeof(uint64_t));
+    if (!s->pidfds || !s->pids || !s->out || !s->in || !s->lanes || !s->peer_arenas || !s->peer_arena_bytes) {
         free(s->pidfds);
         s->pidfds = NULL;
         shm_destroy(&s->base);
@@ -1331,6 +1463,16 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     me->probe_addr = (uint64_t)(uintptr_t)&s->probe_word;
     me->probe_value = s->probe_word;
     me->global_rank = cfg->global_rank;
+    if (cfg->arena_bytes) {
+        char name[MP_SHM_NAME_LEN + 32];
+        arena_name(cfg->name, getpid(), cfg->rank, name, sizeof name);
+        res = mp_arena_create(name, cfg->arena_bytes, &s->arena, err, errlen);
+        if (res != MP_OK) {
+            shm_destroy(&s->base);
+            return res;
+        }
+        me->arena_bytes = mp_arena_bytes(s->arena);
+    }
     atomic_store(&me->state, SHM_RANK_ATTACHED);
     atomic_fetch_add(&h->attached, 1);
 
@@ -1346,9 +1488,15 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
             s->pidfds[r] = open_pidfd(s->pids[r]);
     }
     probe_single_copy(s, cfg->allow_cma);
+    res = map_peer_arenas(s, cfg->name, err, errlen);
+    if (res != MP_OK) {
+        shm_destroy(&s->base);
+        return res;
+    }
     atomic_store(&me->state, SHM_RANK_READY);
     atomic_fetch_add(&h->ready, 1);
     res = wait_all(s, &h->ready, SHM_RANK_READY, deadline, cfg, "finish connecting to", err, errlen);
+    unlink_arenas(s, cfg->name);
     if (res != MP_OK) {
         shm_destroy(&s->base);
         return res;
@@ -1361,6 +1509,20 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->thread_started = 1;
     *out = &s->base;
     return MP_OK;
+}
+
+int mp_shm_received_by_path(mp_transport *t, uint64_t out[MP_SHM_NPATHS])
+{
+    if (!t || t->ops != &shm_ops)
+        return 0;
+    for (int p = 0; p < MP_SHM_NPATHS; p++)
+        out[p] = atomic_load_explicit(&as_shm(t)->received[p], memory_order_relaxed);
+    return 1;
+}
+
+mp_arena *mp_shm_arena(mp_transport *t)
+{
+    return t && t->ops == &shm_ops ? as_shm(t)->arena : NULL;
 }
 
 const shm_view *mp_shm_view(mp_transport *t)

@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "arena.h"
 #include "interrupt.h"
 #include "shm_segment.h"
 #include "transport.h"
@@ -23,6 +24,7 @@ typedef struct {
     const mp_interrupt *interrupt; /* checked while waiting for the other ranks; may be NULL */
     const int *pids;          /* each rank's pid, known before it attaches (may be NULL): a rank
                                * that dies before attaching is then reported, not waited for */
+    uint64_t arena_bytes;     /* of this rank's receive arena, which its peers map; 0: none */
 } mp_shm_config;
 
 #define MP_SHM_NAME_LEN 64
@@ -37,6 +39,13 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
 
 /* Whether single-copy reads from `peer` work (for tests and reports). */
 int mp_shm_single_copy(mp_transport *t, int peer);
+
+/* Messages this rank received by each path (SHM_PATH_*), for stats and tests; 0 for another
+ * transport. */
+int mp_shm_received_by_path(mp_transport *t, uint64_t out[MP_SHM_NPATHS]);
+
+/* This rank's receive arena, or NULL (another transport, or none). */
+mp_arena *mp_shm_arena(mp_transport *t);
 
 /* The segment's mapping of a shm transport, or NULL for another transport (for shm_corrupt.c). */
 const shm_view *mp_shm_view(mp_transport *t);

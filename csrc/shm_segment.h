@@ -12,7 +12,7 @@
 #include "result.h"
 
 #define SHM_MAGIC 0x6d70327073686d31ULL /* "mp2pshm1" */
-#define SHM_VERSION 2u
+#define SHM_VERSION 3u
 #define SHM_NSLOTS 8u          /* descriptors in flight per channel (NCCL-like buffering depth) */
 #define SHM_NCHUNKS 4u         /* bounce-buffer chunks per channel (two-copy path) */
 #define SHM_INLINE_BYTES 4096u /* messages up to this size travel inside the descriptor slot */
@@ -21,7 +21,8 @@
 #define SHM_REPORT_BYTES 8192u
 
 enum { SHM_RANK_EMPTY = 0, SHM_RANK_ATTACHED = 1, SHM_RANK_READY = 2, SHM_RANK_CLOSED = 3 };
-enum { SHM_PATH_INLINE = 0, SHM_PATH_CMA = 1, SHM_PATH_BOUNCE = 2 };
+/* ARENA: the sender has written the message into the receive buffer the receiver offered. */
+enum { SHM_PATH_INLINE = 0, SHM_PATH_CMA = 1, SHM_PATH_BOUNCE = 2, SHM_PATH_ARENA = 3, MP_SHM_NPATHS };
 
 typedef struct {
     alignas(64) _Atomic int32_t pid;
@@ -35,6 +36,7 @@ typedef struct {
     _Atomic uint32_t waiting;  /* threads of the rank blocked in a wait for a while */
     _Atomic uint32_t wait_epoch; /* bumped whenever one enters or leaves such a wait, or the rank posts */
     _Atomic uint32_t fence;    /* 0, or 1 + the report of the deadlock this rank is in */
+    uint64_t arena_bytes;      /* of the rank's receive arena, which peers map; 0: none */
 } shm_rank;
 
 /* One pending op, as a blocked rank publishes it for the others' cycle search. */
@@ -77,6 +79,15 @@ typedef struct {
     uint32_t recv_label;
 } shm_slot;
 
+/* A receive buffer in the receiver's arena, offered to the sender of message seq - 1. */
+typedef struct {
+    _Atomic uint64_t seq; /* written last; 0: none yet */
+    uint64_t offset;
+    uint64_t nbytes;
+    int32_t dtype;
+    int32_t reserved;
+} shm_offer;
+
 /* Channel (lane, src -> dst). Sender-written and receiver-written words sit on separate lines. */
 typedef struct {
     alignas(64) _Atomic uint64_t posted; /* descriptors published by the sender */
@@ -86,6 +97,7 @@ typedef struct {
     _Atomic uint64_t recv_posted;        /* receives the receiver has made active */
     _Atomic uint64_t consumed;           /* bounce chunks read, cumulative */
     _Atomic uint64_t recv_issued;        /* receives the receiver has posted, active or queued */
+    alignas(64) shm_offer offers[SHM_NSLOTS]; /* receiver-written, indexed by seq */
     alignas(64) shm_slot slots[SHM_NSLOTS];
 } shm_chan;
 

@@ -10,7 +10,9 @@ What you get:
 - one C call per pipeline exchange, in Megatron's parity order or as groups, with the two
   directions on independent lanes so activations and gradients never cross (also at PP=2);
 - a shared-memory CPU transport with NCCL's semantics (strict rendezvous by default), so
-  ordering bugs show up at every tensor size;
+  ordering bugs show up at every tensor size; receive buffers from comm.empty(shape, dtype)
+  (megatron-core's, through P2PCommunicator) lie in shared memory the peers have mapped, so a
+  message into them is one memcpy by its sender;
 - every wait bounded: P2PTimeoutError lists the pending ops and aborts the communicator so
   peers fail too; a dead peer raises PeerFailureError; a size or dtype disagreement raises
   MismatchError on both sides;

@@ -36,6 +36,16 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
 
 
+def _env_bytes(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name} must be a number of bytes, got {value!r}") from None
+
+
 def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, int, list[int]]:
     """The store to bootstrap through, this process's global rank, and the group's global ranks."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -95,6 +105,7 @@ def init_communicator(
     eager_threshold: int = 0,
     device: "torch.device | str | int | None" = None,
     high_priority: bool = False,
+    arena_bytes: Optional[int] = None,
 ) -> _C.Communicator:
     """Creates a communicator over `group` (None: every rank). Collective: every member calls it.
 
@@ -111,6 +122,11 @@ def init_communicator(
         the CPU. It decides "auto", and is the device an NCCL communicator serves.
     high_priority: nccl only. Lane streams get the device's greatest stream priority, so that
         communication kernels are scheduled ahead of compute.
+    arena_bytes: shm only. Size of this rank's receive arena: shared memory its peers map once,
+        from which `comm.empty()` (and megatron-core's receive buffers, through P2PCommunicator)
+        allocates, so that a send into such a buffer is one copy by the sender. Only the blocks
+        handed out take room in /dev/shm. None: $MEGATRON_P2P_SHM_ARENA_BYTES, else 1 GiB;
+        0: no arena.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -120,16 +136,25 @@ def init_communicator(
         raise ValueError(f"lanes must be 1 or 2, got {lanes!r}")
     if not isinstance(eager_threshold, int) or not 0 <= eager_threshold <= _C.MAX_EAGER_THRESHOLD:
         raise ValueError(f"eager_threshold must be an int in [0, {_C.MAX_EAGER_THRESHOLD}], got {eager_threshold!r}")
+    if arena_bytes is not None and (isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int)
+                                    or not 0 <= arena_bytes <= _C.MAX_ARENA_BYTES):
+        raise ValueError(f"arena_bytes must be an int in [0, {_C.MAX_ARENA_BYTES}], got {arena_bytes!r}")
     dev = nccl.requested_device(device, backend)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "shm"
     if backend == "nccl":
         if eager_threshold:
             raise ValueError("eager_threshold is an shm option; NCCL decides its own buffering")
+        if arena_bytes:
+            raise ValueError("arena_bytes is an shm option; NCCL receives into device memory")
         dev = nccl.require_gpu(dev)
         nccl.nccl_version()  # loads libnccl, or says why it cannot
     elif dev.type != "cpu":
         raise ValueError(f"backend 'shm' carries CPU tensors; device {dev} needs backend 'nccl' or 'auto'")
+    elif arena_bytes is None:
+        arena_bytes = _env_bytes("MEGATRON_P2P_SHM_ARENA_BYTES", _C.DEFAULT_ARENA_BYTES)
+        if not 0 <= arena_bytes <= _C.MAX_ARENA_BYTES:
+            raise ValueError(f"$MEGATRON_P2P_SHM_ARENA_BYTES must be in [0, {_C.MAX_ARENA_BYTES}], got {arena_bytes}")
 
     store, me, ranks = _store_and_ranks(group)
     group_rank = ranks.index(me)
@@ -157,7 +182,8 @@ def init_communicator(
         if backend == "shm":
             comm = _C.Communicator(
                 "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
-                single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, **common,
+                single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, arena_bytes=arena_bytes,
+                **common,
             )
         else:
             relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)

@@ -422,7 +422,7 @@ class P2PCommunicator:
             # then raise.
             dtype = announced if problems and announced is not None else config.pipeline_dtype
             dims = _buffer_shape(shape, dtype, name)
-            return torch.empty(dims, requires_grad=True, device=device, dtype=dtype)
+            return self.comm.empty(dims, dtype).requires_grad_()  # shm: from the arena its peers write into
 
         tensor_recv_prev = buffer(recv_prev, prev_shape, prev_dtype, "recv_prev")
         tensor_recv_next = buffer(recv_next, next_shape, next_dtype, "recv_next")

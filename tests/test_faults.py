@@ -67,7 +67,8 @@ def value_of(job: conftest.Job, rank: int) -> dict[str, Any]:
 def kill_row(where: str, victim: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Runs fault_kill.py's `where` and returns the survivor's report, after checking what every
     row must: the victim died, the survivor reported within SLACK of the death although its
-    timeout is KILL_TIMEOUT, and it holds no new thread or descriptor, and no segment is left."""
+    timeout is KILL_TIMEOUT, and it holds no new thread, descriptor or shared-memory mapping,
+    and no segment or arena is left in /dev/shm."""
     before = shm_segments()
     job = run_job("fault_kill.py", 2, params={"where": where, "timeout": KILL_TIMEOUT, "nbytes": BIG},
                   timeout=120, env=env)
@@ -124,6 +125,23 @@ def test_sigkill_of_the_sender_mid_bounce_copy_is_a_peer_failure_naming_it():
     survivor = kill_row("sender_dies_mid_copy", victim=0, env={"MEGATRON_P2P_SHM_SINGLE_COPY": "0"})
     assert not survivor["single_copy"]
     assert_raised(survivor["call"], "PeerFailureError", "irecv from rank 0", f"rank 0 (pid {survivor['peer_pid']})")
+
+
+def test_sigkill_of_the_sender_mid_arena_copy_is_a_peer_failure_naming_it():
+    """Rank 1 receives 512 MiB into a buffer from its arena and kills rank 0 as soon as rank 0's
+    copy into it has begun: rank 1's receive raises PeerFailureError naming rank 0 and its pid,
+    and the arena goes with the buffer (no mapping is left)."""
+    survivor = kill_row("sender_dies_mid_arena_copy", victim=0)
+    assert survivor["in_arena"] and survivor["mid_copy"], survivor
+    assert_raised(survivor["call"], "PeerFailureError", "irecv from rank 0", f"rank 0 (pid {survivor['peer_pid']})")
+
+
+def test_sigkill_of_the_receiver_mid_arena_copy_is_a_peer_failure_naming_it():
+    """Rank 1 is killed while rank 0 copies 512 MiB into its arena: rank 0's send raises
+    PeerFailureError naming rank 1 and its pid, and unmaps the dead rank's arena."""
+    survivor = kill_row("receiver_dies_mid_arena_copy", victim=1)
+    assert survivor["in_arena"] and survivor["mid_copy"], survivor
+    assert_raised(survivor["call"], "PeerFailureError", "isend to rank 1", f"rank 1 (pid {survivor['peer_pid']})")
 
 
 def test_sigkill_right_after_abort_relays_the_abort_naming_the_rank_and_why():

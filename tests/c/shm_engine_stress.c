@@ -50,7 +50,7 @@ typedef struct {
 } config;
 
 typedef struct {
-    uint64_t messages, inlined, single_copy, bounce, self, mismatched, bytes, dawdles, failures;
+    uint64_t messages, inlined, single_copy, bounce, arena, self, mismatched, bytes, dawdles, failures;
 } stats;
 
 static void add_stats(stats *to, const stats *s)
@@ -58,6 +58,7 @@ static void add_stats(stats *to, const stats *s)
     to->messages += s->messages;
     to->inlined += s->inlined;
     to->single_copy += s->single_copy;
+    to->arena += s->arena;
     to->bounce += s->bounce;
     to->self += s->self;
     to->mismatched += s->mismatched;
@@ -321,7 +322,14 @@ static void post_step(lane_ctx *c, const plan_step *plan, int round)
         op->nbytes = nbytes;
         op->dtype = po->m.dtype;
         op->ndim = -1;
-        op->buf = xmalloc(nbytes);
+        /* Half the large receives of ranks with an arena land in it: their senders copy straight in. */
+        mp_arena *arena = mp_shm_arena(c->t);
+        char why[160];
+        op->buf = po->kind == MP_RECV && arena && nbytes > c->cfg->slot_bytes && po->m.key % 2
+                      ? mp_arena_alloc(arena, nbytes, why, sizeof why)
+                      : NULL;
+        if (!op->buf)
+            op->buf = xmalloc(nbytes);
         if (po->kind == MP_SEND)
             fill(op->buf, nbytes, po->m.key);
         else
@@ -400,6 +408,8 @@ static void complete_oldest(lane_ctx *c)
             c->st.self++;
         else if (op->nbytes <= c->cfg->slot_bytes)
             c->st.inlined++;
+        else if (mp_shm_arena(c->t) && mp_arena_holds(mp_shm_arena(c->t), op->buf, op->nbytes, &(uint64_t){0}))
+            c->st.arena++;
         else if (mp_shm_single_copy(c->t, op->peer))
             c->st.single_copy++;
         else
@@ -415,8 +425,14 @@ static void complete_oldest(lane_ctx *c)
             report(c, p, op, what);
         }
     }
-    for (int i = 0; i < p->plan.nops; i++)
-        free(p->ops[i].buf);
+    mp_arena *arena = mp_shm_arena(c->t);
+    for (int i = 0; i < p->plan.nops; i++) {
+        uint64_t off;
+        if (arena && mp_arena_holds(arena, p->ops[i].buf, p->ops[i].nbytes, &off))
+            mp_arena_free(arena, p->ops[i].buf);
+        else
+            free(p->ops[i].buf);
+    }
     free(p);
 }
 
@@ -449,7 +465,7 @@ static int run_rank(const config *cfg, const char *name, int rank, _Atomic uint6
 {
     mp_shm_config sc = {.name = name, .rank = rank, .size = cfg->ranks, .nlanes = NLANES, .create = rank == 0,
                         .eager_threshold = cfg->eager_threshold, .timeout = cfg->timeout, .allow_cma = rank != 1,
-                        .global_rank = rank};
+                        .global_rank = rank, .arena_bytes = rank % 2 == 0 ? 64u << 20 : 0};
     mp_transport *t = NULL;
     char err[512] = "";
     mp_result r = mp_shm_open(&sc, &t, err, sizeof err);
@@ -582,11 +598,11 @@ int main(int argc, char **argv)
     uint64_t rounds = 0;
     for (int l = 0; l < NLANES; l++)
         rounds += atomic_load(&started[l]) & ~TIME_UP;
-    printf("seed=%llu ranks=%d lanes=%d rounds=%llu messages=%llu inline=%llu single_copy=%llu bounce=%llu self=%llu "
-           "mismatched=%llu dawdles=%llu mib=%.1f failures=%llu seconds=%.1f\n",
+    printf("seed=%llu ranks=%d lanes=%d rounds=%llu messages=%llu inline=%llu single_copy=%llu bounce=%llu arena=%llu "
+           "self=%llu mismatched=%llu dawdles=%llu mib=%.1f failures=%llu seconds=%.1f\n",
            (unsigned long long)cfg.seed, cfg.ranks, NLANES, (unsigned long long)rounds,
            (unsigned long long)total.messages, (unsigned long long)total.inlined, (unsigned long long)total.single_copy,
-           (unsigned long long)total.bounce, (unsigned long long)total.self, (unsigned long long)total.mismatched,
+           (unsigned long long)total.bounce, (unsigned long long)total.arena, (unsigned long long)total.self, (unsigned long long)total.mismatched,
            (unsigned long long)total.dawdles, (double)total.bytes / (1 << 20), (unsigned long long)total.failures,
            mp_now() - cfg.start);
     return status;

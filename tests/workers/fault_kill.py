@@ -6,14 +6,19 @@ params: where; timeout (the communicator timeout, long: a report well within it 
 the transport noticing the death, not from the timeout); nbytes (the large message of the
 copy rows). Each rank publishes its pid in torchrun's store, so that the survivor can check
 that its error names the dead one. Survivors ignore torchrun's SIGTERM so that they can report."""
+import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+import arena_maps
 import fault_resources
 import harness
+
+ARENA_PASS = 16 << 20  # what a sender copies into an arena buffer per pass
+LANDING_LIMIT = 60.0  # seconds a receiver watches its arena buffer for the sender's first bytes
 
 
 def die() -> None:
@@ -108,6 +113,50 @@ def receiver_dies_mid_copy(ctx):
     return harness.caught(req.wait), comm
 
 
+def copy_under_way(buf):
+    """Polls `buf`, zeroed, until the sender's first copy pass has written into it (or
+    LANDING_LIMIT passed); then whether the copy is under way: its last byte still untouched."""
+    deadline = time.monotonic() + LANDING_LIMIT
+    while buf[0].item() == 0 and buf[ARENA_PASS - 1].item() == 0 and time.monotonic() < deadline:
+        pass
+    return buf[-1].item() == 0 and (buf[0].item() != 0 or buf[ARENA_PASS - 1].item() != 0)
+
+
+def sender_dies_mid_arena_copy(ctx):
+    """Rank 1 receives `nbytes` into a buffer from its arena; it kills rank 0 as soon as rank 0's
+    copy into it has begun, and reports its receive."""
+    comm = ctx.init()
+    if ctx.me == 0:
+        comm.isend(ctx.torch.ones(ctx.nbytes, dtype=ctx.torch.uint8), 1).wait()
+        signal.pause()  # rank 1 kills this rank: mid-copy, or just after it in a failing run
+    buf = comm.empty((ctx.nbytes,), ctx.torch.uint8).zero_()
+    ctx.extra["in_arena"] = arena_maps.in_own_arena(buf)
+
+    def receive():
+        req = comm.irecv(buf, 0)
+        ctx.extra["mid_copy"] = copy_under_way(buf)
+        os.kill(ctx.peer_pid, signal.SIGKILL)
+        req.wait()
+
+    return harness.caught(receive), comm
+
+
+def receiver_dies_mid_arena_copy(ctx):
+    """Rank 1 receives `nbytes` into a buffer from its arena and is killed as soon as rank 0's
+    copy into it has begun (it tells rank 0 first whether the copy was under way); rank 0
+    reports its send."""
+    comm = ctx.init()
+    if ctx.me == 1:
+        buf = comm.empty((ctx.nbytes,), ctx.torch.uint8).zero_()
+        in_arena = arena_maps.in_own_arena(buf)
+        comm.irecv(buf, 0)
+        ctx.store.set("receiver", json.dumps({"mid_copy": copy_under_way(buf), "in_arena": in_arena}))
+        die()
+    record = harness.caught(lambda: comm.isend(ctx.torch.ones(ctx.nbytes, dtype=ctx.torch.uint8), 1).wait())
+    ctx.extra.update(json.loads(ctx.store.get("receiver")))
+    return record, comm
+
+
 REASON = "fault matrix: rank 1 gave up"
 
 
@@ -137,7 +186,8 @@ def right_after_close(ctx):
 
 
 PLACES = {f.__name__: f for f in (before_attach, during_attach, mid_rendezvous, sender_dies_mid_copy,
-                                   receiver_dies_mid_copy, right_after_abort, right_after_close)}
+                                   receiver_dies_mid_copy, sender_dies_mid_arena_copy, receiver_dies_mid_arena_copy,
+                                   right_after_abort, right_after_close)}
 
 
 class Context:

@@ -1,6 +1,7 @@
 """What a rank holds outside Python's objects, to show that a communicator leaves nothing
-behind: its threads (Python's and the kernel's, which include the transport's C threads) and
-its open descriptors with what each one points at."""
+behind: its threads (Python's and the kernel's, which include the transport's C threads), its
+open descriptors with what each one points at, and its mappings of shared-memory segments and
+receive arenas (its own and its peers')."""
 from __future__ import annotations
 
 import os
@@ -18,11 +19,18 @@ def _fd_targets() -> dict[str, str]:
     return targets
 
 
+def _shared_mappings() -> list[str]:
+    """The package's shared-memory objects mapped here, one entry per mapping."""
+    with open("/proc/self/maps") as maps:
+        return sorted(line.split(None, 5)[5] for line in maps if "/dev/shm/mp2p-" in line)
+
+
 def snapshot() -> dict[str, Any]:
     return {
         "python_threads": sorted(t.name for t in threading.enumerate()),
         "kernel_threads": len(os.listdir("/proc/self/task")),
         "fds": _fd_targets(),
+        "mappings": _shared_mappings(),
     }
 
 
@@ -37,4 +45,7 @@ def left_behind(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     fds = {fd: t for fd, t in after["fds"].items() if before["fds"].get(fd) != t}
     if fds:
         extra["fds"] = fds
+    mappings = sorted(set(after["mappings"]) - set(before["mappings"]))
+    if mappings:
+        extra["mappings"] = mappings
     return extra
