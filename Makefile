@@ -90,6 +90,7 @@ fuzz: build
 # run against it (every torchrun rank inherits the preloaded runtime).
 # libstdc++ is preloaded with it: C++ extensions (matplotlib's) throw, and ASan's __cxa_throw
 # interceptor needs the real one loaded before it.
+SANITIZE_TESTS ?= tests # or some of its files: make sanitize SANITIZE_TESTS="tests/test_matching.py"
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so.6)
 sanitize: $(DEPS) fakes
 	MEGATRON_P2P_SANITIZE=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
@@ -100,7 +101,8 @@ sanitize: $(DEPS) fakes
 	cd build/asan && PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD="$(ASAN_LIB)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider $(CURDIR)/tests
+	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider \
+	$(addprefix $(CURDIR)/,$(SANITIZE_TESTS))
 
 # Static analysis, which fails on any finding: gcc's analyzer over every source with the
 # extension's flags (and Python's headers, for the bindings), then cppcheck. cppcheck is

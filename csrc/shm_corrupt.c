@@ -23,7 +23,7 @@ static const field rank_fields[] = {
     FIELD(shm_rank, pid),        FIELD(shm_rank, state),       FIELD(shm_rank, bell),
     FIELD(shm_rank, sleeping),   FIELD(shm_rank, driving),     FIELD(shm_rank, probe_addr),
     FIELD(shm_rank, probe_value), FIELD(shm_rank, global_rank), FIELD(shm_rank, waiting),
-    FIELD(shm_rank, wait_epoch), FIELD(shm_rank, fence),
+    FIELD(shm_rank, wait_epoch), FIELD(shm_rank, fence),       FIELD(shm_rank, arena_bytes),
 };
 static const field watch_fields[] = {
     FIELD(shm_watch, version), FIELD(shm_watch, epoch), FIELD(shm_watch, nops),
@@ -43,6 +43,10 @@ static const field slot_fields[] = {
     FIELD(shm_slot, nbytes), FIELD(shm_slot, addr),        FIELD(shm_slot, dtype),
     FIELD(shm_slot, label),  FIELD(shm_slot, path),        FIELD(shm_slot, result),
     FIELD(shm_slot, recv_nbytes), FIELD(shm_slot, recv_dtype), FIELD(shm_slot, recv_label),
+};
+
+static const field offer_fields[] = {
+    FIELD(shm_offer, seq), FIELD(shm_offer, offset), FIELD(shm_offer, nbytes), FIELD(shm_offer, dtype),
 };
 
 #define COUNT(a) (sizeof a / sizeof *a)
@@ -119,7 +123,7 @@ static void corrupt_one(const shm_view *v, uint64_t *rng, void (*describe)(void 
 {
     char where[96];
     int rank = (int)(next_random(rng) % (uint64_t)v->size);
-    uint64_t region = next_random(rng) % 10; /* weights: the engine's own words first */
+    uint64_t region = next_random(rng) % 11; /* weights: the engine's own words first */
     if (region < 2) {
         const field *f = &header_fields[next_random(rng) % COUNT(header_fields)];
         overwrite((char *)shm_hdr(v), f, "header", rng, describe, ctx);
@@ -148,6 +152,15 @@ static void corrupt_one(const shm_view *v, uint64_t *rng, void (*describe)(void 
     } else if (region < 8) {
         shm_chan *ch = shm_chan_at(v, pick_channel(v, rng, where, sizeof where));
         overwrite((char *)ch, &counter_fields[next_random(rng) % COUNT(counter_fields)], where, rng, describe, ctx);
+    } else if (region < 9) {
+        shm_chan *ch = shm_chan_at(v, pick_channel(v, rng, where, sizeof where));
+        /* Half the time the newest offer, the one a sender may be about to take. */
+        uint64_t active = atomic_load_explicit(&ch->recv_posted, memory_order_relaxed);
+        uint64_t i = (next_random(rng) % 2 && active ? active - 1 : next_random(rng)) % SHM_NSLOTS;
+        size_t n = strlen(where);
+        snprintf(where + n, sizeof where - n, ".offers[%llu]", (unsigned long long)i);
+        overwrite((char *)&ch->offers[i], &offer_fields[next_random(rng) % COUNT(offer_fields)], where, rng, describe,
+                  ctx);
     } else {
         shm_chan *ch = shm_chan_at(v, pick_channel(v, rng, where, sizeof where));
         /* Half the time the newest descriptor, the one a receiver may be about to read. */

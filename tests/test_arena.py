@@ -144,7 +144,8 @@ def test_arena_bytes_zero_gives_plain_buffers_and_single_copy(receiver):
 def test_the_environment_sizes_the_arena_and_zero_disables_it(receiver):
     d = receiver["disabled"]
     assert d["env_zero"] == {"arena_bytes": 0, "own_arenas": 0}
-    assert d["env_16mib"] == {"arena_bytes": 16 * MIB, "in_arena": True, "transfer": {"exact": True, "paths": ["arena"]}}
+    assert d["env_16mib"] == {"arena_bytes": 16 * MIB, "in_arena": True,
+                              "transfer": {"exact": True, "paths": ["arena"]}}
 
 
 def test_the_default_arena_is_1_gib_and_the_largest_64_gib_works(receiver):
@@ -219,3 +220,36 @@ def test_a_block_no_sender_can_write_into_is_handed_out_again_after_a_failure(re
     assert q["wait"]["type"] == ("MismatchError" if how == "mismatch" else "P2PTimeoutError"), q
     assert q["again_in_arena"], q
     assert q["own_arenas_left"] == 0, q
+
+
+# ---- an offer rewritten by a hostile peer ------------------------------------------------------
+
+
+def forged(ranks, forge):
+    return ranks[0]["forged_offers"][forge]["send"], ranks[1]["forged_offers"][forge]
+
+
+def test_an_untouched_offer_is_written_where_it_points(ranks):
+    send, recv = forged(ranks, "untouched")
+    assert send["type"] is None and recv["recv"]["type"] is None, (send, recv)
+    assert recv["buffer_exact"] and recv["landed_where_pointed"], recv
+
+
+def test_an_offer_ending_at_the_arenas_end_is_in_bounds_and_written_there(ranks):
+    """The receiver's word is trusted as far as bounds go: the last bytes of its own arena."""
+    send, recv = forged(ranks, "at_the_end")
+    assert send["type"] is None and recv["recv"]["type"] is None, (send, recv)
+    assert recv["landed_where_pointed"] and not recv["buffer_exact"], recv
+
+
+@pytest.mark.parametrize("forge", ["one_past_the_end", "huge"])
+def test_an_offer_beyond_the_arena_is_reported_as_a_corrupt_segment_and_never_written(ranks, forge):
+    """One byte past the end, or an offset whose sum with the size wraps around: the sender
+    reports the offer (offset and nbytes) without writing, and the receiver gets the report."""
+    send, recv = forged(ranks, forge)
+    offset = f"offset {recv['forged_offset']:#x} + nbytes {3 * MIB + 4096}"
+    for raised in (send, recv["recv"]):
+        assert raised["type"] == "P2PError", raised
+        assert "corrupt segment: arena offer for message #0 to rank 1" in raised["msg"], raised
+        assert offset in raised["msg"], raised
+    assert not recv["buffer_exact"]

@@ -7,8 +7,13 @@
 - No rank widens who may ptrace it: PR_SET_PTRACER, if ever called, names a peer rank's pid,
   never PR_SET_PTRACER_ANY.
 - A rank refuses to attach to a segment that another uid planted under the expected name.
+- A rank's receive arena, which its peers map, is mode 0600, owned by the ranks' uid, opened by
+  no other uid, and unlinked once creation returns; a rank refuses to map a peer's arena that
+  another uid planted under its name.
 
-One two-rank job (workers/security.py) gives every observation of a live communicator."""
+One two-rank job (workers/security.py) gives every observation of a live communicator; another
+(workers/arena_security.py) every observation of the arenas."""
+import errno
 import os
 import re
 import resource
@@ -267,3 +272,56 @@ def test_a_rank_waits_for_a_segment_of_its_own_uid(segment_name):
     os.close(os.open(f"/dev/shm{segment_name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     error, _ = attach_as_rank_1(segment_name, timeout=1.0)
     assert type(error).__name__ == "P2PTimeoutError", error
+
+
+# ---- receive arenas ---------------------------------------------------------------------------
+
+
+ARENA_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def arena_job():
+    """workers/arena_security.py on 2 ranks: [rank 0's result, rank 1's result]."""
+    params = {"other_uid": OTHER_UID if can_switch_uid else None, "arena_bytes": ARENA_BYTES, "timeout": 60.0}
+    job = run_job("arena_security.py", 2, params=params, timeout=240)
+    ranks = [r["value"] for r in job.ok()]
+    for name in Path("/dev/shm").glob(f"mp2p-{ranks[0]['pid']}-*"):  # what a failing run planted
+        name.unlink(missing_ok=True)
+    return ranks
+
+
+def test_a_live_arena_is_mode_0600_and_owned_by_the_ranks_uid(arena_job):
+    rank0, rank1 = arena_job
+    observed = rank1["observed"]
+    assert re.fullmatch(rf"mp2p-{rank0['pid']}-[0-9a-f]{{32}}-a0", observed["arena"]), observed["arena"]
+    assert oct(observed["mode"]) == oct(0o600)
+    assert observed["owner"] == rank0["uid"] == rank1["uid"]
+    assert observed["size"] == ARENA_BYTES
+
+
+def test_arenas_are_unlinked_once_creation_returns_and_still_carry_messages(arena_job):
+    for rank, res in enumerate(arena_job):
+        assert res["observed"]["arenas_after_init"] == [], rank
+    assert arena_job[1]["observed"]["received"] == {"in_arena": True, "by_arena": 1, "exact": True}
+
+
+@needs_other_uid
+def test_another_uid_cannot_open_a_live_arena(arena_job):
+    observed = arena_job[1]["observed"]
+    assert observed["own_uid"] == {"open_rw": "ok", "open_ro": "ok"}
+    denied = os.strerror(errno.EACCES)
+    assert observed["other_uid"] == {"open_rw": denied, "open_ro": denied}
+
+
+@needs_other_uid
+def test_a_rank_refuses_a_peers_arena_planted_by_another_uid(arena_job):
+    """Another uid that removes a rank's arena name (or gets there first) and puts its own
+    object there does not receive this rank's messages: the peer refuses to map it, naming the
+    owner, at once; the communicator over the ranks' own arenas (above) maps them."""
+    planted = arena_job[1]["planted"]
+    assert planted["planted_owner"] == OTHER_UID
+    raised = planted["create"]
+    assert "P2PError" in raised["mro"] and "P2PTimeoutError" not in raised["mro"], raised
+    assert f"uid {OTHER_UID}" in raised["msg"] and "arena" in raised["msg"], raised
+    assert raised["elapsed"] < 10.0, raised

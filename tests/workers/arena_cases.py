@@ -6,8 +6,10 @@ Rank 0 sends, rank 1 receives, unless a section says otherwise. Where a buffer l
 from /proc/self/maps (arena_maps.py).
 
 params: timeout (of every communicator), sections (names of SECTIONS to run; all when absent)."""
+import ctypes
 import logging
 import os
+import re
 import time
 import types
 from pathlib import Path
@@ -18,6 +20,7 @@ from arena_maps import arena_mappings, in_own_arena
 KIB, MIB = 1 << 10, 1 << 20
 SMALL_ARENA = 8 * MIB  # room for one block of 6 MiB, not two
 BLOCK = 6 * MIB
+SEGMENT = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) .*/dev/shm/mp2p-(\d+)-[0-9a-f]+(?: \(deleted\))?$")
 FAIL_WAIT = 0.5  # seconds a receive waits for a sender that never sends
 
 
@@ -321,6 +324,87 @@ def quarantine(ctx):
             for fail in (None, "timeout", "peer_abort", "mismatch", "timeout_plain")}
 
 
+FORGED_NBYTES = 3 * MIB + 4 * KIB  # a size no other offer in the segment has
+FORGED_ARENA = 16 * MIB
+
+
+def segment_words(pid):
+    """The communicator's shared segment (created by `pid`), as 64-bit words over its mapping."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        m = SEGMENT.match(line)
+        if m and int(m.group(3)) == pid:
+            start, end = int(m.group(1), 16), int(m.group(2), 16)
+            return (ctypes.c_uint64 * ((end - start) // 8)).from_address(start)
+    raise RuntimeError(f"no segment of pid {pid} is mapped")
+
+
+def find_offer(torch, words, nbytes):
+    """The index of the offset word of the offer {seq 1, offset, nbytes} in the segment: the
+    receive of message #0 offering a buffer of `nbytes`. Polls until its receive is active;
+    reads the segment from its start a piece at a time (the channels come before the bounce
+    buffers, which reading would back with memory)."""
+    piece = 8 * KIB  # words
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        for start in range(0, len(words), piece):
+            count = min(piece + 2, len(words) - start)
+            view = torch.frombuffer(words, dtype=torch.int64, offset=start * 8, count=count)
+            for i in torch.nonzero(view[2:] == nbytes).flatten().tolist():
+                if view[i] == 1:
+                    return start + i + 1
+        time.sleep(0.01)
+    raise RuntimeError(f"no offer of {nbytes} bytes appeared in the segment")
+
+
+def forged_offer(ctx, forge):
+    """Rank 1 posts a receive into its arena, then (as a hostile peer could) rewrites the
+    offset of its offer before rank 0 sends: `forge` maps (arena bytes, nbytes) to the offset,
+    or is None (nothing rewritten). Rank 0 reports its send, rank 1 its receive and whether the
+    bytes landed where the offset points."""
+    torch = ctx.torch
+    comm = ctx.init(arena_bytes=FORGED_ARENA)
+    segment_pid = ctx.peer_pid if ctx.me == 1 else os.getpid()  # rank 0 created the segment
+    payload = (torch.arange(FORGED_NBYTES, dtype=torch.int64) % 251).to(torch.uint8)
+    out = {}
+    if ctx.me == 0:
+        ctx.store.wait([f"arena/forged/{forge}"])
+        out["send"] = harness.caught(lambda: comm.isend(payload, 1).wait())
+        ctx.sync(f"forged-{forge}")
+        comm.close()
+        return out
+    buf = comm.empty((FORGED_NBYTES,), torch.uint8).zero_()
+    req = comm.irecv(buf, 0)
+    words = segment_words(segment_pid)
+    at = find_offer(torch, words, FORGED_NBYTES)
+    out["offered_offset"] = words[at]
+    if forge is not None:
+        words[at] = FORGES[forge](comm.arena_bytes, FORGED_NBYTES) % (1 << 64)
+        out["forged_offset"] = words[at]
+    ctx.store.set(f"arena/forged/{forge}", "1")
+    out["recv"] = harness.caught(lambda: req.wait(ctx.timeout))
+    out["buffer_exact"] = bool(torch.equal(buf, payload))
+    target = words[at] if forge is not None else out["offered_offset"]
+    lo = [lo for lo, _, _, _ in arena_mappings(os.getpid())]
+    if target + FORGED_NBYTES <= comm.arena_bytes and len(lo) == 1:
+        landed = (ctypes.c_uint8 * FORGED_NBYTES).from_address(lo[0] + target)
+        out["landed_where_pointed"] = bool(torch.equal(torch.frombuffer(landed, dtype=torch.uint8), payload))
+    ctx.sync(f"forged-{forge}")
+    del req, buf
+    comm.close()
+    return out
+
+
+FORGES = {
+    "at_the_end": lambda arena, nbytes: arena - nbytes,  # the last bytes of the arena: in bounds
+    "one_past_the_end": lambda arena, nbytes: arena - nbytes + 1,
+    "huge": lambda arena, nbytes: -4096,  # offset + nbytes wraps around 2**64
+}
+
+
+def forged_offers(ctx):
+    return {forge or "untouched": forged_offer(ctx, forge) for forge in (None, *FORGES)}
+
+
 def mixed(ctx):
     """Rank 0 has no arena, rank 1 has one: each side's receive buffers follow its own arena."""
     torch, n = ctx.torch, MIB // 4
@@ -374,7 +458,8 @@ def dropin(ctx):
     return out
 
 
-SECTIONS = {f.__name__: f for f in (delivery, tensors, exhaustion, lifetime, disabled, invalid, quarantine, mixed, dropin)}
+SECTIONS = {f.__name__: f for f in (delivery, tensors, exhaustion, lifetime, disabled, invalid, quarantine, mixed,
+                                   forged_offers, dropin)}
 
 
 def body(params):

@@ -1,7 +1,10 @@
 """Rounds of garbage written into a live shm segment, as a hostile or broken peer could.
 
-Each round runs on a fresh communicator (lanes, eager threshold and single copy vary with the
-round): an exchange that must be exact, then one rank (alternating) overwrites `fields` random
+Each round runs on a fresh communicator (lanes, eager threshold, single copy and the receive
+buffers vary with the round; buffers: "arena", from `comm.empty`, so that the large message is
+written by its sender into the receiver's arena, which the receiver offered it; "plain", plain
+memory while an arena exists, so that senders still wait for the offer; "no_arena", no arena at
+all): an exchange that must be exact, then one rank (alternating) overwrites `fields` random
 fields of the shared segment with `_C._corrupt_segment` at one of three moments of the next
 exchange, which both ranks run: before it ("rest"), once the peer has posted its side and this
 rank not yet ("peer_posted": the peer's descriptors wait in their slots), or once both have
@@ -20,29 +23,43 @@ SMALL = 256  # float32 elements: travels inline in the descriptor
 LARGE = 96 * 1024  # 384 KiB: single copy, or two bounce-buffer chunks
 PEER_POSTS = 0.02  # seconds the hostile rank gives its peer to post first ("peer_posted")
 MOMENTS = ("rest", "peer_posted", "posted")
+BUFFERS = ("arena", "plain", "no_arena")
 
 
-def tensors(torch, tag, rank):
-    """This rank's two payloads for exchange number `tag`, and empty buffers for the peer's."""
-    sent = {
+def payloads(torch, tag, rank):
+    """This rank's two payloads for exchange number `tag`."""
+    return {
         "send_next": torch.arange(SMALL, dtype=torch.float32) + 1000 * tag + rank,
         "send_prev": torch.arange(LARGE, dtype=torch.float32) - 1000 * tag - rank,
     }
-    received = {"recv_prev": torch.zeros(SMALL, dtype=torch.float32), "recv_next": torch.zeros(LARGE, dtype=torch.float32)}
-    return sent, received
+
+
+def zeroed(torch, comm, numel, arena):
+    """A zeroed receive buffer: from the communicator's arena, or plain memory."""
+    return (comm.empty((numel,), torch.float32) if arena else torch.empty(numel, dtype=torch.float32)).zero_()
 
 
 def exact(torch, tag, peer, received):
-    expected, _ = tensors(torch, tag, peer)
+    expected = payloads(torch, tag, peer)
     return torch.equal(received["recv_prev"], expected["send_next"]) and torch.equal(
         received["recv_next"], expected["send_prev"])
 
 
-def exchange(torch, comm, tag, timeout, corrupt=None, moment="rest"):
-    """One exchange, each wait limited to `timeout`, with corrupt() called at `moment`. Returns
-    its outcome."""
+def exchange(torch, comm, tag, timeout, arena, corrupt=None, moment="rest"):
+    """One exchange, each wait limited to `timeout`, with corrupt() called at `moment`; receive
+    buffers from the arena when `arena`. Returns its outcome, with the paths that carried what
+    this rank received."""
+    before = comm.stats()["received_by_path"]
+    outcome = exchange_outcome(torch, comm, tag, timeout, arena, corrupt, moment)
+    after = comm.stats()["received_by_path"]
+    outcome["paths"] = {p: after[p] - before[p] for p in after if after[p] != before[p]}
+    return outcome
+
+
+def exchange_outcome(torch, comm, tag, timeout, arena, corrupt, moment):
     start = time.monotonic()
-    sent, received = tensors(torch, tag, comm.rank)
+    sent = payloads(torch, tag, comm.rank)
+    received = {"recv_prev": zeroed(torch, comm, SMALL, arena), "recv_next": zeroed(torch, comm, LARGE, arena)}
     try:
         if corrupt and moment != "posted":
             if moment == "peer_posted":
@@ -61,7 +78,8 @@ def exchange(torch, comm, tag, timeout, corrupt=None, moment="rest"):
 
 
 def round_config(i):
-    return {"lanes": 1 + i % 2, "eager_threshold": 4096 * (i // 2 % 2), "single_copy": i // 4 % 2 == 0}
+    return {"lanes": 1 + i % 2, "eager_threshold": 4096 * (i // 2 % 2), "single_copy": i // 4 % 2 == 0,
+            "buffers": BUFFERS[i // 8 % len(BUFFERS)]}
 
 
 def body(params):
@@ -77,16 +95,18 @@ def body(params):
     for i in range(rounds):
         cfg = round_config(i)
         os.environ["MEGATRON_P2P_SHM_SINGLE_COPY"] = "1" if cfg["single_copy"] else "0"
-        comm = mp.init_communicator(timeout=init_timeout, lanes=cfg["lanes"], eager_threshold=cfg["eager_threshold"])
+        comm = mp.init_communicator(timeout=init_timeout, lanes=cfg["lanes"], eager_threshold=cfg["eager_threshold"],
+                                    arena_bytes=0 if cfg["buffers"] == "no_arena" else None)
+        arena = cfg["buffers"] == "arena"
         round_seed = seed * 1_000_003 + i
         record = dict(cfg, round=i, control=i % control_every == 0, hostile=i % 2,
                       moment=random.Random(round_seed).choice(MOMENTS))
-        record["first"] = exchange(torch, comm, 2 * i, timeout)
+        record["first"] = exchange(torch, comm, 2 * i, timeout, arena)
         corrupt = None
         if not record["control"] and comm.rank == record["hostile"]:
             def corrupt():
                 record["overwritten"] = _C._corrupt_segment(comm, round_seed, fields=fields)
-        record["second"] = exchange(torch, comm, 2 * i + 1, timeout, corrupt, record["moment"])
+        record["second"] = exchange(torch, comm, 2 * i + 1, timeout, arena, corrupt, record["moment"])
         start = time.monotonic()
         comm.close()
         record["close_elapsed"] = time.monotonic() - start
