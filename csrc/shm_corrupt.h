@@ -9,8 +9,8 @@
 #include "shm_segment.h"
 
 /* Overwrites `count` fields of the segment chosen by `seed` (headers of every rank, channel
- * counters, descriptors, receive offers, published waits) with garbage that no valid state holds: random
- * bits, all ones, or a high bit flipped. Payload bytes are left alone: a peer can always send
+ * counters, descriptors, receive offers, published waits) with garbage that no valid state
+ * holds: random bits, all ones, or a high bit flipped. Payload bytes are left alone: a peer can always send
  * wrong data, and no check can tell. `describe(ctx, line)` gets one line per field written. */
 void mp_shm_corrupt(const shm_view *v, uint64_t seed, int count, void (*describe)(void *ctx, const char *line),
                     void *ctx);
