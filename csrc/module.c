@@ -224,7 +224,8 @@ static int module_exec(PyObject *mod)
     if (rc < 0)
         return -1;
     if (PyModule_AddIntConstant(mod, "DEFAULT_ARENA_BYTES", (long)MP_ARENA_DEFAULT_BYTES) < 0 ||
-        PyModule_AddIntConstant(mod, "MAX_ARENA_BYTES", (long)MP_ARENA_MAX_BYTES) < 0)
+        PyModule_AddIntConstant(mod, "MAX_ARENA_BYTES", (long)MP_ARENA_MAX_BYTES) < 0 ||
+        PyModule_AddIntConstant(mod, "ARENA_WAIT_BYTES", MP_SHM_OFFER_WAIT_BYTES) < 0)
         return -1;
     return PyModule_AddIntConstant(mod, "MAX_EAGER_THRESHOLD", MP_SHM_MAX_EAGER);
 }

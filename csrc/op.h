@@ -60,7 +60,7 @@ typedef struct mp_op {
     struct mp_op *next_settled; /* shm: the next op of its step done but not yet shown done */
     int captured;         /* device transports: posted into a CUDA graph capture; stream-ordered only */
     void *remote;         /* shm send: the receiver's arena buffer, as mapped here */
-    int offered;          /* shm receive: its arena buffer is offered, and the sender may still write it */
+    int offered;          /* shm receive: whether its sender knows where its buffer is (and may write it) */
 } mp_op;
 
 /* A group of ops issued together on one lane. Owned by the transport once posted; an op's

@@ -45,6 +45,10 @@
 #define EXIT_GRACE 0.2 /* seconds from a process unmapping its memory to its exit, at most */
 
 enum { PH_NEW = 0, PH_ARENA, PH_STREAM, PH_WAIT_DONE, PH_COPY_CMA, PH_COPY_BOUNCE, PH_SKIP };
+/* mp_op.offered of a receive: whether it has told its sender where its buffer is. */
+enum { OFFER_NONE = 0, OFFER_MADE, OFFER_DECLINED };
+#define NO_OFFER UINT64_MAX /* shm_offer.offset of a receive whose buffer is not in the arena */
+
 
 /* This process's view of a channel: sender fields for (lane, me -> peer), receiver fields for
  * (lane, peer -> me). */
@@ -191,7 +195,7 @@ static int read_counter(shm_t *s, const mp_op *op, _Atomic uint64_t *word, const
  * op; a failure shows at once. Once DONE a Request may be freed at any moment. */
 static void finish(shm_t *s, mp_step *step, mp_op *op, mp_result r)
 {
-    if (op->offered && r != MP_OK)
+    if (op->offered == OFFER_MADE && r != MP_OK)
         mp_arena_quarantine(s->arena, op->buf); /* its sender may still be writing into it */
     step->ops[op->index] = NULL;
     op->result = r;
@@ -318,23 +322,23 @@ static void post_descriptor(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_
 }
 
 /* For a send too large for its slot, to a peer with an arena: 1 when the receiver offered a
- * buffer for exactly this message (op->remote is set), 0 when it made its receive active without
- * one, -1 while its receive is not active yet (it offers it then), -2 once the segment is
- * reported corrupt. */
+ * buffer for exactly this message (op->remote is set), 0 to take the usual path, -1 to wait for
+ * the receive's answer, -2 once the segment is reported corrupt. */
 static int take_offer(shm_t *s, mp_op *op, shm_chan *ch, chan_local *cl)
 {
-    uint64_t active;
+    uint64_t active; /* read first: a receive answers before it is made active */
     if (read_counter(s, op, &ch->recv_posted, "recv_posted", &cl->active_seen, &ch->recv_issued, 0, &active) < 0)
         return -2;
     shm_offer *o = &ch->offers[op->seq % SHM_NSLOTS];
+    atomic_thread_fence(memory_order_seq_cst); /* after send_issued, before the answer: see answer() */
     if (atomic_load_explicit(&o->seq, memory_order_acquire) != op->seq + 1)
-        return active > op->seq ? 0 : -1;
+        return active > op->seq || op->nbytes < MP_SHM_OFFER_WAIT_BYTES ? 0 : -1;
     uint64_t offset = o->offset, nbytes = o->nbytes;
     int32_t dtype = o->dtype;
     atomic_thread_fence(memory_order_acquire);
-    if (atomic_load_explicit(&o->seq, memory_order_relaxed) != op->seq + 1 || nbytes != op->nbytes ||
-        dtype != op->dtype)
-        return 0; /* rewritten meanwhile, or the receiver expects another message: it says so */
+    if (atomic_load_explicit(&o->seq, memory_order_relaxed) != op->seq + 1 || offset == NO_OFFER ||
+        nbytes != op->nbytes || dtype != op->dtype)
+        return 0; /* rewritten meanwhile, declined, or the receiver expects another message: it says so */
     uint64_t limit = s->peer_arena_bytes[op->peer];
     if (offset > limit || nbytes > limit - offset) {
         found_corrupt(s, "arena offer for message #%llu to rank %d: offset %#llx + nbytes %llu is beyond its arena "
@@ -516,8 +520,8 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
     uint64_t nbytes = sl->nbytes, addr = sl->addr;
     int32_t dtype = sl->dtype;
     uint32_t path = sl->path, label = sl->label;
-    int offered = op->offered;
-    op->offered = 0; /* the sender has chosen: it writes into the buffer no more */
+    int offered = op->offered == OFFER_MADE;
+    op->offered = OFFER_NONE; /* the sender has chosen: it writes into the buffer no more */
     int copies = path == SHM_PATH_CMA || path == SHM_PATH_BOUNCE;
     const char *bad = path > SHM_PATH_ARENA                                            ? "path"
                     : dtype < 0 || dtype >= MP_NUM_DTYPES                               ? "dtype"
@@ -676,6 +680,31 @@ static int progress_recv(shm_t *s, mp_step *step, mp_op *op)
 
 /* ---- the progress loop ------------------------------------------------------------------ */
 
+/* A large receive on a rank with an arena tells its sender whether its buffer lies there, in
+ * the channel's offer slot for its message: when it is posted if the slot is free (the sender
+ * has published the message that used it last), else when it becomes active. An activation
+ * that races a later receive's answer may overwrite it with its own stale one; the sender of
+ * that later message then finds no answer and takes the usual path. */
+static void answer(shm_t *s, mp_op *op, shm_chan *ch)
+{
+    if (!s->arena || op->nbytes <= s->v.lay.slot_bytes)
+        return;
+    uint64_t offset;
+    int in_arena = mp_arena_holds(s->arena, op->buf, op->nbytes, &offset);
+    shm_offer *o = &ch->offers[op->seq % SHM_NSLOTS];
+    o->offset = in_arena ? offset : NO_OFFER;
+    o->nbytes = op->nbytes;
+    o->dtype = op->dtype;
+    op->offered = in_arena ? OFFER_MADE : OFFER_DECLINED;
+    atomic_store_explicit(&o->seq, op->seq + 1, memory_order_release);
+    /* Wake the sender only when its send waits for this: it is issued and not published. The
+     * fence pairs with take_offer's, so either it sees this answer or this sees its send. */
+    atomic_thread_fence(memory_order_seq_cst);
+    if (op->nbytes >= MP_SHM_OFFER_WAIT_BYTES && atomic_load_explicit(&ch->send_issued, memory_order_relaxed) > op->seq &&
+        atomic_load_explicit(&ch->posted, memory_order_relaxed) <= op->seq)
+        ring_peer(s, op);
+}
+
 static void activate(shm_t *s, mp_step *step)
 {
     for (int i = 0; i < step->nops; i++) {
@@ -683,22 +712,12 @@ static void activate(shm_t *s, mp_step *step)
         atomic_store_explicit(&op->state, MP_OP_ACTIVE, memory_order_relaxed);
         if (op->kind == MP_RECV) {
             shm_chan *ch = shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
-            int large = op->nbytes > s->v.lay.slot_bytes;
-            uint64_t offset;
-            if (s->arena && large && mp_arena_holds(s->arena, op->buf, op->nbytes, &offset)) {
-                shm_offer *o = &ch->offers[op->seq % SHM_NSLOTS];
-                o->offset = offset;
-                o->nbytes = op->nbytes;
-                o->dtype = op->dtype;
-                atomic_store_explicit(&o->seq, op->seq + 1, memory_order_release);
-                op->offered = 1;
-            }
+            if (op->offered == OFFER_NONE && atomic_load_explicit(&ch->posted, memory_order_acquire) <= op->seq)
+                answer(s, op, ch);
             /* Release: a peer that reads it then reads recv_issued, which must not look smaller,
-             * and the offer, which must be there. */
+             * and the answer, which must be there. */
             if (atomic_load_explicit(&ch->recv_posted, memory_order_relaxed) < op->seq + 1)
                 atomic_store_explicit(&ch->recv_posted, op->seq + 1, memory_order_release);
-            if (s->arena && large)
-                ring_peer(s, op); /* its large send waits for this receive to be active */
         }
     }
     step->activated = 1;
@@ -987,17 +1006,23 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
     if (s->posters == 0 || (s->posters == 1 && !pthread_equal(s->poster, pthread_self())))
         s->posters++;
     s->poster = pthread_self();
+    deferred_wakes.deferring = deferred_wakes.in_call == s;
     for (int i = 0; i < step->nops; i++) {
         mp_op *op = step->ops[i];
         op->index = i;
+        int send = op->kind == MP_SEND;
+        shm_chan *ch = shm_chan_at(&s->v, send ? shm_chan_index(&s->v, op->lane, t->rank, op->peer)
+                                               : shm_chan_index(&s->v, op->lane, op->peer, t->rank));
         /* What this rank has issued, for peers judging whether it still owes them an op, and
          * bounding the sends it publishes. Only raised: threads may post out of seq order. */
-        _Atomic uint64_t *issued =
-            op->kind == MP_SEND ? &shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, t->rank, op->peer))->send_issued
-                                : &shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, t->rank))->recv_issued;
+        _Atomic uint64_t *issued = send ? &ch->send_issued : &ch->recv_issued;
         if (atomic_load_explicit(issued, memory_order_relaxed) < op->seq + 1)
             atomic_store_explicit(issued, op->seq + 1, memory_order_relaxed);
+        if (!send && (op->seq < SHM_NSLOTS ||
+                      atomic_load_explicit(&ch->posted, memory_order_acquire) > op->seq - SHM_NSLOTS))
+            answer(s, op, ch);
     }
+    deferred_wakes.deferring = 0;
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);
     if (atomic_load_explicit(&s->watching, memory_order_relaxed))

@@ -29,6 +29,11 @@ typedef struct {
 
 #define MP_SHM_NAME_LEN 64
 #define MP_SHM_MAX_EAGER (1u << 20)
+/* A send of at least this many bytes to a rank with an arena waits for its receive's answer
+ * (whether its buffer lies in the arena), since one memcpy into the arena beats the receiver's
+ * process_vm_readv by more than the wake-up the wait may cost; a smaller send takes the arena
+ * only when the answer is already there. */
+#define MP_SHM_OFFER_WAIT_BYTES (2u << 20)
 
 /* "/mp2p-<pid>-<random>": unguessable, and the pid lets a later job remove a segment left by a
  * creator killed before every rank attached. */

@@ -51,6 +51,9 @@ class Ctx:
         from megatron_p2p.communicator import _env_rendezvous
 
         self.torch, self.mp = torch, mp
+        # float32 elements of a message whose sender always waits for the receive's answer, so
+        # that the path it takes does not depend on which rank posts first
+        self.large = mp._C.ARENA_WAIT_BYTES // 4
         self.store, self.me, _ = _env_rendezvous()
         self.timeout = params["timeout"]
         self.logs = Logs()
@@ -129,13 +132,16 @@ def burst(ctx, comm, count, numel):
 def delivery(ctx):
     """Into comm.empty and into torch.empty, single copy on and off; send posted first."""
     torch, out = ctx.torch, {}
-    n = MIB // 4  # 1 MiB of float32
+    n = ctx.large
     comm = ctx.init()
     out["arena_bytes"] = comm.arena_bytes
     arena_buf = comm.empty((n,), torch.float32)
     out["arena_buf_in_arena"] = in_own_arena(arena_buf)
     out["into_arena"] = ctx.transfer(comm, arena_buf, 1)
-    out["into_arena_send_first"] = ctx.transfer(comm, comm.empty((n,), torch.float32), 2, send_first=True)
+    waits = ctx.mp._C.ARENA_WAIT_BYTES // 4  # float32 elements of the smallest send that waits
+    out["into_arena_send_first"] = ctx.transfer(comm, comm.empty((waits,), torch.float32), 2, send_first=True)
+    out["into_arena_send_first_small"] = ctx.transfer(comm, comm.empty((waits - 1,), torch.float32), 3,
+                                                      send_first=True)
     plain = torch.empty(n, dtype=torch.float32)
     out["plain_buf_in_arena"] = in_own_arena(plain)
     out["into_plain"] = ctx.transfer(comm, plain, 3)
@@ -146,7 +152,7 @@ def delivery(ctx):
     block.fill_(-1)
     out["into_view"] = ctx.transfer(comm, block[n:2 * n], 7)
     out["view_neighbours_untouched"] = bool((block[:n] == -1).all() and (block[2 * n:] == -1).all())
-    out["burst"] = burst(ctx, comm, 12, n // 4)
+    out["burst"] = burst(ctx, comm, 12, n)
     comm.close()
     comm = ctx.init(env={"MEGATRON_P2P_SHM_SINGLE_COPY": "0"})
     out["no_single_copy"] = {"into_arena": ctx.transfer(comm, comm.empty((n,), torch.float32), 4),
@@ -217,18 +223,18 @@ def lifetime(ctx):
     """A buffer outlives its communicator; the arena goes with the last of its buffers."""
     torch, out = ctx.torch, {}
     comm = ctx.init()
-    buf = comm.empty((MIB // 4,), torch.float32)
+    buf = comm.empty((ctx.large,), torch.float32)
     out["transfer"] = ctx.transfer(comm, buf, 21)
     out["peer_arena_mapped_while_open"] = len(arena_mappings(ctx.peer_pid))
     ctx.sync("lifetime-received")
     comm.close()
-    expected = ctx.payload(21, MIB // 4)
+    expected = ctx.payload(21, ctx.large)
     out["readable_after_close"] = bool(torch.equal(buf, expected)) if ctx.me == 1 else None
     buf.fill_(5)
     out["writable_after_close"] = bool((buf == 5).all())
     out["in_arena_after_close"] = in_own_arena(buf)
     out["peer_arena_mapped_after_close"] = len(arena_mappings(ctx.peer_pid))
-    after_close = comm.empty((MIB // 4,), torch.float32)
+    after_close = comm.empty((ctx.large,), torch.float32)
     out["empty_after_close_in_arena"] = in_own_arena(after_close)
     out["empty_after_close_shape"] = list(after_close.shape)
     del buf, after_close
@@ -241,7 +247,7 @@ def disabled(ctx):
     """arena_bytes=0, and MEGATRON_P2P_SHM_ARENA_BYTES, decide whether there is an arena."""
     torch, out = ctx.torch, {}
     comm = ctx.init(arena_bytes=0)
-    buf = comm.empty((MIB // 4,), torch.float32)
+    buf = comm.empty((ctx.large,), torch.float32)
     out["arg_zero"] = {"arena_bytes": comm.arena_bytes, "own_arenas": len(arena_mappings(os.getpid())),
                        "in_arena": in_own_arena(buf), "transfer": ctx.transfer(comm, buf, 31)}
     comm.close()
@@ -250,13 +256,13 @@ def disabled(ctx):
     out["env_zero"] = {"arena_bytes": comm.arena_bytes, "own_arenas": len(arena_mappings(os.getpid()))}
     comm.close()
     comm = ctx.init(env={"MEGATRON_P2P_SHM_ARENA_BYTES": str(16 * MIB)})
-    buf = comm.empty((MIB // 4,), torch.float32)
+    buf = comm.empty((ctx.large,), torch.float32)
     out["env_16mib"] = {"arena_bytes": comm.arena_bytes, "in_arena": in_own_arena(buf),
                         "transfer": ctx.transfer(comm, buf, 32)}
     comm.close()
     del buf
     comm = ctx.init(arena_bytes=ctx.mp._C.MAX_ARENA_BYTES)
-    buf = comm.empty((MIB // 4,), torch.float32)
+    buf = comm.empty((ctx.large,), torch.float32)
     out["arg_max"] = {"arena_bytes": comm.arena_bytes, "in_arena": in_own_arena(buf),
                       "transfer": ctx.transfer(comm, buf, 33)}
     comm.close()
@@ -407,7 +413,7 @@ def forged_offers(ctx):
 
 def mixed(ctx):
     """Rank 0 has no arena, rank 1 has one: each side's receive buffers follow its own arena."""
-    torch, n = ctx.torch, MIB // 4
+    torch, n = ctx.torch, ctx.large
     comm = ctx.init(arena_bytes=0 if ctx.me == 0 else 16 * MIB)
     buf = comm.empty((n,), torch.float32)
     out = {"arena_bytes": comm.arena_bytes, "in_arena": in_own_arena(buf),
@@ -438,17 +444,17 @@ def dropin(ctx):
     config = types.SimpleNamespace(pipeline_dtype=torch.float32, batch_p2p_comm=True, variable_seq_lengths=False,
                                    timers=None)
     p2p = P2PCommunicator(None, config, comm=comm)
-    shape = [64, 2, 512]  # 256 KiB of float32
+    shape = [512, 2, 512]  # 2 MiB of float32: its senders wait for the answer
     before = dict(comm.stats()["received_by_path"])
     out = {}
     if ctx.me == 0:
-        p2p.send_forward(ctx.payload(51, 64 * 2 * 512).reshape(shape), is_last_stage=False)
+        p2p.send_forward(ctx.payload(51, 512 * 2 * 512).reshape(shape), is_last_stage=False)
         got = p2p.recv_backward(shape, is_last_stage=False)
-        expected = ctx.payload(52, 64 * 2 * 512).reshape(shape)
+        expected = ctx.payload(52, 512 * 2 * 512).reshape(shape)
     else:
         got = p2p.recv_forward(shape, is_first_stage=False)
-        p2p.send_backward(ctx.payload(52, 64 * 2 * 512).reshape(shape), is_first_stage=False)
-        expected = ctx.payload(51, 64 * 2 * 512).reshape(shape)
+        p2p.send_backward(ctx.payload(52, 512 * 2 * 512).reshape(shape), is_first_stage=False)
+        expected = ctx.payload(51, 512 * 2 * 512).reshape(shape)
     after = comm.stats()["received_by_path"]
     out = {"exact": bool(torch.equal(got.detach(), expected)), "requires_grad": got.requires_grad,
            "in_arena": in_own_arena(got), "arena_delta": after["arena"] - before["arena"],
