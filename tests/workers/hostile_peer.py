@@ -20,7 +20,7 @@ import time
 import harness
 
 SMALL = 256  # float32 elements: travels inline in the descriptor
-LARGE = 96 * 1024  # 384 KiB: single copy, or two bounce-buffer chunks
+LARGE = 512 * 1024  # 2 MiB (ARENA_WAIT_BYTES: its sender waits for the answer): arena, single copy or bounce
 PEER_POSTS = 0.02  # seconds the hostile rank gives its peer to post first ("peer_posted")
 MOMENTS = ("rest", "peer_posted", "posted")
 BUFFERS = ("arena", "plain", "no_arena")
