@@ -129,7 +129,8 @@ def run(comm, group, cfg: dict[str, Any]) -> dict[str, Any]:
         for _ in range(cfg["repeats"]):
             for key, (body, iterations) in bodies.items():
                 copy[key].append(_memcpy_gbps(src, dst, nbytes, messages, group))
-                gbps[key].append(nbytes * messages / timed_loop(body, iterations, 0, group) / 1e9)
+                seconds = timed_loop(body, iterations, 0, group) * iterations
+                gbps[key].append(nbytes * messages / seconds / 1e9)
         copies = [g for v in copy.values() for g in v]
         memcpy.append({"bytes": nbytes, "gbps": median(copies), "spread": spread(copies)})
         for pattern in PATTERNS:

@@ -23,7 +23,8 @@ def _size_axis(ax, sizes: list[int]) -> None:
 
 def _bars(values: list[list[float]], medians: list[float]) -> list[list[float]]:
     """matplotlib's yerr: each point's distance down to its smallest and up to its largest value."""
-    return [[max(0.0, m - min(v)) for v, m in zip(values, medians)], [max(0.0, max(v) - m) for v, m in zip(values, medians)]]
+    return [[max(0.0, m - min(v)) for v, m in zip(values, medians)],
+            [max(0.0, max(v) - m) for v, m in zip(values, medians)]]
 
 
 def latency(points: list[dict], path: Path) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import goals
 import tables
@@ -56,9 +55,9 @@ def _overhead_rows(results: dict, before: dict) -> list[list[str]]:
     ratios = [goals.overhead_ratio(r) for r in reps]
     rows = [["host overhead: megatron_p2p / torch.distributed isend+irecv x4 (CPU time to post)",
              f"{old['megatron_p2p'] / old['torch_isend_irecv']:.3f}", ranged(ratios, ".3f")]]
-    null: Optional[str] = goals.null_transport(reps[0])
+    null = [goals.binding_layer_us(r) for r in reps]
     rows.append(["binding layer: null transport, CPU us per four-op exchange", "not measured",
-                 ranged([r["us"][null]["cpu_median_us"] for r in reps]) if null else NOT_MEASURED])
+                 NOT_MEASURED if None in null else ranged(null)])
     return rows
 
 

@@ -23,9 +23,7 @@ NAMES = {
 
 def name(contender: str) -> str:
     """A contender's name in tables and plots (one a section adds later reads as its key)."""
-    if contender in NAMES:
-        return NAMES[contender]
-    return contender.replace("megatron_p2p_", "megatron_p2p ") if "null" in contender else contender
+    return NAMES.get(contender, contender)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -79,6 +77,10 @@ def overhead(ov: dict, repeats: list[dict]) -> str:
         return [r["us"][c][figure] for r in repeats]
 
     rows = [[name(c), ranged(of(c, "cpu_median_us")), ranged(of(c, "wall_median_us"))] for c in ov["us"]]
+    if "binding_layer" in ov:  # the binding layer alone: what this package adds on any transport
+        rows.append(["megatron_p2p binding layer (null transport)",
+                     ranged([r["binding_layer"]["cpu_us"] for r in repeats]),
+                     ranged([r["binding_layer"]["wall_us"] for r in repeats])])
     return (f"Posting one four-op exchange of {human_bytes(ov['bytes'])} tensors (each repetition's median)\n\n" +
             markdown_table(["contender", "CPU time (us)", "wall time (us)"], rows))
 

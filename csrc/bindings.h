@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "op.h"
+#include "plan.h"
 #include "trace.h"
 #include "transport.h"
 
@@ -46,6 +47,7 @@ typedef struct {
     /* The C descriptor (getset or method) each attribute resolves to on torch.Tensor, or NULL
      * where it is something else: called directly on tensors of exactly those two types. */
     PyObject *attr_descrs[MP_NUM_TENSOR_ATTRS];
+    PyObject *slot_names[MP_NUM_SLOTS]; /* interned: the keys of exchange()'s result, by mp_slot */
     PyObject *parameter_type; /* torch.nn.Parameter where it resolves them as torch.Tensor does, or NULL */
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;

@@ -635,44 +635,52 @@ static int read_shape(CommObject *self, PyObject *tensor, mp_op *op)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* Numbers the ops, posts them as one step on `lane` for API call `call_name`, and returns the
- * Requests. */
-static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane, const char *call_name)
+/* One step of a call, before posting: its ops in issue order, on one lane. */
+typedef struct {
+    pending_op *ops;
+    int nops;
+    int lane;
+} step_plan;
+
+/* Makes the step's Requests (stored in `reqs`, new references); NULL with an error set when one
+ * cannot be made. */
+static mp_step *make_step(CommObject *self, const step_plan *sp, RequestObject **reqs)
 {
-    PyObject *reqs = PyList_New(nops);
-    if (!reqs)
-        return NULL;
-    mp_step *step = malloc(sizeof(mp_step) + sizeof(mp_op *) * (size_t)(nops ? nops : 1));
+    mp_step *step = malloc(sizeof(mp_step) + sizeof(mp_op *) * (size_t)(sp->nops ? sp->nops : 1));
     if (!step) {
-        Py_DECREF(reqs);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return NULL;
     }
-    for (int i = 0; i < nops; i++) {
-        RequestObject *req = mp_request_new(self, ops[i].tensor, &ops[i].buf);
-        if (!req) {
+    for (int i = 0; i < sp->nops; i++) {
+        reqs[i] = mp_request_new(self, sp->ops[i].tensor, &sp->ops[i].buf);
+        if (!reqs[i] || (self->check && read_shape(self, sp->ops[i].tensor, &reqs[i]->op) < 0)) {
+            for (int j = 0; j <= i; j++)
+                Py_CLEAR(reqs[j]);
             free(step);
-            Py_DECREF(reqs);
             return NULL;
         }
-        PyList_SET_ITEM(reqs, i, (PyObject *)req);
-        step->ops[i] = &req->op;
-        if (self->check && read_shape(self, ops[i].tensor, &req->op) < 0) {
-            free(step);
-            Py_DECREF(reqs);
-            return NULL;
-        }
+        step->ops[i] = &reqs[i]->op;
     }
+    step->lane = sp->lane;
+    step->nops = sp->nops;
+    return step;
+}
+
+/* Numbers the step's ops in the communicator's sequences, for API call `call_name`. */
+static void number_step(CommObject *self, const step_plan *sp, mp_step *step, const char *call_name, double now)
+{
     size_t call_len = call_name ? strnlen(call_name, MP_CALL_NAME_LEN - 1) : 0;
-    for (int i = 0; i < nops; i++) {
+    for (int i = 0; i < sp->nops; i++) {
+        const pending_op *p = &sp->ops[i];
         mp_op *op = step->ops[i];
-        size_t ch = (size_t)lane * (size_t)self->size + (size_t)ops[i].peer;
-        op->kind = ops[i].kind;
-        op->label = ops[i].label;
-        op->peer = ops[i].peer;
-        op->peer_global = self->global_ranks[ops[i].peer];
-        op->lane = lane;
-        op->seq = ops[i].kind == MP_SEND ? self->send_seq[ch]++ : self->recv_seq[ch]++;
-        op->step = self->lane_steps[lane];
+        size_t ch = (size_t)sp->lane * (size_t)self->size + (size_t)p->peer;
+        op->kind = p->kind;
+        op->label = p->label;
+        op->peer = p->peer;
+        op->peer_global = self->global_ranks[p->peer];
+        op->lane = sp->lane;
+        op->seq = p->kind == MP_SEND ? self->send_seq[ch]++ : self->recv_seq[ch]++;
+        op->step = self->lane_steps[sp->lane];
         op->call = self->calls;
         if (call_name) /* the op starts zeroed: no name, nothing to copy */
             memcpy(op->call_name, call_name, call_len);
@@ -684,40 +692,88 @@ static PyObject *post_step(CommObject *self, pending_op *ops, int nops, int lane
             self->bytes_received += op->nbytes;
         }
     }
-    self->lane_steps[lane]++;
-    step->lane = lane;
-    step->nops = nops;
-    mp_trace_step(self->trace, step, mp_wall_time());
+    self->lane_steps[sp->lane]++;
+    mp_trace_step(self->trace, step, now);
+}
+
+/* Posts the steps of one call in order for API call `call_name` and stores each op's Request in
+ * `reqs` (new references, in step order). Every Request is made first, so that a failure to make
+ * one numbers and posts nothing, and the GIL is released once for all the steps. */
+static int post_steps(CommObject *self, const step_plan *plans, int nsteps, const char *call_name,
+                      RequestObject **reqs)
+{
+    mp_step *steps[MP_NUM_SLOTS], **many = nsteps > MP_NUM_SLOTS ? PyMem_Calloc((size_t)nsteps, sizeof *many) : steps;
+    if (!many) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int nreqs = 0, prepared = 0;
+    for (; prepared < nsteps; prepared++) {
+        many[prepared] = make_step(self, &plans[prepared], reqs + nreqs);
+        if (!many[prepared])
+            break;
+        nreqs += plans[prepared].nops;
+    }
+    if (prepared == nsteps) { /* numbered only once all can be posted: the sequences never skip */
+        double now = mp_wall_time();
+        for (int i = 0; i < nsteps; i++)
+            number_step(self, &plans[i], many[i], call_name, now);
+    }
     mp_transport *t = self->transport;
-    mp_result r;
-    Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
-    r = t->ops->post(t, step);
-    Py_END_ALLOW_THREADS
+    mp_result r = MP_OK;
+    int posted = 0;
+    if (prepared == nsteps) {
+        Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
+        for (; posted < nsteps && r == MP_OK; posted++)
+            r = t->ops->post(t, many[posted]);
+        Py_END_ALLOW_THREADS
+        if (r != MP_OK) /* the transport did not take the last one */
+            posted--;
+    }
+    int kept = 0; /* Requests of the posted steps */
+    for (int i = 0; i < posted; i++)
+        kept += plans[i].nops;
+    for (int i = posted; i < prepared; i++)
+        free(many[i]);
+    for (int i = kept; i < nreqs; i++)
+        Py_CLEAR(reqs[i]);
+    if (many != steps)
+        PyMem_Free(many);
+    for (int i = 0; i < kept; i++)
+        if (PyList_Append(self->inflight, (PyObject *)reqs[i]) < 0) {
+            for (int j = 0; j < kept; j++)
+                Py_CLEAR(reqs[j]);
+            return -1;
+        }
+    if (prepared < nsteps) { /* the error of the Request that could not be made is set */
+        for (int j = 0; j < kept; j++)
+            Py_CLEAR(reqs[j]);
+        return -1;
+    }
     if (r != MP_OK) {
-        free(step);
-        Py_DECREF(reqs);
+        for (int j = 0; j < kept; j++)
+            Py_CLEAR(reqs[j]);
         check_usable(self);
         if (!PyErr_Occurred())
             PyErr_Format(self->state->P2PError, "posting failed: %s", mp_result_str(r));
-        return NULL;
+        return -1;
     }
-    for (int i = 0; i < nops; i++)
-        if (PyList_Append(self->inflight, PyList_GET_ITEM(reqs, i)) < 0) {
-            Py_DECREF(reqs);
-            return NULL;
-        }
     /* Posting itself may have aborted (a launch that failed, a debug-matching disagreement): the
      * peers must hear of it, or their ops wait for ours until their timeout. */
-    const mp_op *first = nops ? &((RequestObject *)PyList_GET_ITEM(reqs, 0))->op : NULL;
     int cause_rank;
-    if (first && mp_op_done(first) && first->result != MP_OK && t->ops->abort_cause(t, &cause_rank) != MP_OK &&
-        cause_rank == self->group_rank) {
-        PyObject *why = PyUnicode_FromString(first->detail);
-        PyErr_Clear();
-        publish_abort(self, why);
-        Py_XDECREF(why);
+    for (int i = 0; i < kept; i++) {
+        const mp_op *op = &reqs[i]->op;
+        if (mp_op_done(op) && op->result != MP_OK) {
+            if (t->ops->abort_cause(t, &cause_rank) != MP_OK && cause_rank == self->group_rank) {
+                PyObject *why = PyUnicode_FromString(op->detail);
+                PyErr_Clear();
+                publish_abort(self, why);
+                Py_XDECREF(why);
+            }
+            break;
+        }
     }
-    return reqs;
+    return 0;
 }
 
 static int parse_mode(PyObject *mode, mp_mode *out)
@@ -777,11 +833,13 @@ static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwarg
     mp_plan plan;
     mp_plan_exchange(&in, &plan);
     pending_op steps[MP_NUM_SLOTS][MP_NUM_SLOTS];
+    step_plan plans[MP_NUM_SLOTS];
     for (int i = 0; i < plan.nsteps; i++) {
         for (int j = 0; j < plan.steps[i].nops; j++)
             steps[i][j] = slot_ops[plan.steps[i].ops[j]];
         if (check_self_pairs(self, steps[i], plan.steps[i].nops) < 0)
             return NULL;
+        plans[i] = (step_plan){.ops = steps[i], .nops = plan.steps[i].nops, .lane = plan.steps[i].lane};
     }
 
     mp_comm_prune(self);
@@ -790,17 +848,20 @@ static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwarg
         Py_XDECREF(result);
         return NULL;
     }
-    for (int i = 0; i < plan.nsteps && result; i++) {
-        PyObject *reqs = post_step(self, steps[i], plan.steps[i].nops, plan.steps[i].lane, call);
-        for (int j = 0; reqs && j < plan.steps[i].nops; j++)
-            if (PyDict_SetItemString(result, mp_slot_name(plan.steps[i].ops[j]), PyList_GET_ITEM(reqs, j)) < 0)
-                Py_CLEAR(reqs);
-        if (!reqs)
-            Py_CLEAR(result);
-        Py_XDECREF(reqs);
-    }
+    RequestObject *reqs[MP_NUM_SLOTS];
+    int rc = post_steps(self, plans, plan.nsteps, call, reqs);
     end_posting(self); /* also after a failure: what was posted must be fenced */
     self->calls++;
+    if (rc < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    for (int i = 0, k = 0; i < plan.nsteps; i++)
+        for (int j = 0; j < plan.steps[i].nops; j++, k++) {
+            if (result && PyDict_SetItem(result, self->state->slot_names[plan.steps[i].ops[j]], (PyObject *)reqs[k]) < 0)
+                Py_CLEAR(result);
+            Py_DECREF(reqs[k]);
+        }
     return result;
 }
 
@@ -834,14 +895,12 @@ static PyObject *single_op(CommObject *self, PyObject *args, PyObject *kwargs, m
     mp_comm_prune(self);
     if (begin_posting(self) < 0)
         return NULL;
-    PyObject *reqs = post_step(self, &op, 1, 0, call);
+    RequestObject *req;
+    step_plan plan = {.ops = &op, .nops = 1, .lane = 0};
+    int rc = post_steps(self, &plan, 1, call, &req);
     end_posting(self);
     self->calls++;
-    if (!reqs)
-        return NULL;
-    PyObject *req = Py_NewRef(PyList_GET_ITEM(reqs, 0));
-    Py_DECREF(reqs);
-    return req;
+    return rc < 0 ? NULL : (PyObject *)req;
 }
 
 static PyObject *comm_isend(CommObject *self, PyObject *args, PyObject *kwargs) { return single_op(self, args, kwargs, MP_SEND); }
@@ -899,9 +958,18 @@ static PyObject *comm_batch(CommObject *self, PyObject *args, PyObject *kwargs)
     mp_comm_prune(self);
     if (begin_posting(self) < 0)
         goto done;
-    reqs = post_step(self, ops, (int)n, lane, call);
+    RequestObject **made = PyMem_Calloc((size_t)n, sizeof *made);
+    step_plan plan = {.ops = ops, .nops = (int)n, .lane = (int)lane};
+    int rc = made ? post_steps(self, &plan, 1, call, made) : (PyErr_NoMemory(), -1);
     end_posting(self);
     self->calls++;
+    if (rc == 0 && (reqs = PyList_New(n)))
+        for (Py_ssize_t i = 0; i < n; i++)
+            PyList_SET_ITEM(reqs, i, (PyObject *)made[i]);
+    else if (rc == 0)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_DECREF(made[i]);
+    PyMem_Free(made);
 done:
     PyMem_Free(ops);
     Py_DECREF(seq);

@@ -176,6 +176,8 @@ static int load_torch(mp_state *st)
     }
     if (rc == 0)
         rc = mp_tensor_attrs_load(st, torch);
+    for (int slot = 0; rc == 0 && slot < MP_NUM_SLOTS; slot++)
+        rc = (st->slot_names[slot] = PyUnicode_InternFromString(mp_slot_name((mp_slot)slot))) ? 0 : -1;
     Py_DECREF(torch);
     return rc;
 }
@@ -263,6 +265,8 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->strided);
     Py_CLEAR(st->dtype_codes);
     Py_CLEAR(st->parameter_type);
+    for (int slot = 0; slot < MP_NUM_SLOTS; slot++)
+        Py_CLEAR(st->slot_names[slot]);
     for (int a = 0; a < MP_NUM_TENSOR_ATTRS; a++) {
         Py_CLEAR(st->attr_names[a]);
         Py_CLEAR(st->attr_descrs[a]);

@@ -71,6 +71,6 @@ mp_result mp_null_open(int rank, int size, int nlanes, mp_transport **out)
     if (!n)
         return MP_ERR_SYSTEM;
     n->base = (mp_transport){.ops = &null_ops, .rank = rank, .size = size, .nlanes = nlanes};
-    *out = &n->base;
+    *out = (mp_transport *)n; /* base is the first member */
     return MP_OK;
 }

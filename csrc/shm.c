@@ -31,6 +31,7 @@
 /* A thread waiting on an op polls longer: its peer's reply is usually one Python call away,
  * and a futex sleep and wake cost tens of microseconds on a VM. */
 #define DRIVE_SPIN_SECONDS 100e-6
+#define DRIVE_YIELD_AFTER 5e-6
 #define LIVENESS_PERIOD 0.05   /* how often peers' liveness is checked */
 #define CMA_CHUNK (4u << 20)   /* one process_vm_readv call; large single calls are slow */
 #define COPY_CHUNK (16u << 20) /* bytes one op copies per pass, so ops on other lanes interleave */
@@ -1068,21 +1069,25 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
     atomic_fetch_add(&s->driving, 1);
     atomic_fetch_add(&me->driving, 1);
     uint32_t seen = atomic_load(&me->bell);
-    double calm_until = mp_now() + DRIVE_SPIN_SECONDS;
+    double moved_at = mp_now();
     for (;;) {
         if (mp_op_done(op))
             break;
         double now = mp_now();
-        if (now >= deadline || now >= calm_until)
+        if (now >= deadline || now >= moved_at + DRIVE_SPIN_SECONDS)
             break;
         if (pthread_mutex_trylock(&s->engine) == 0) {
             seen = atomic_load(&me->bell);
             while (engine_pass(s))
-                calm_until = now + DRIVE_SPIN_SECONDS;
+                moved_at = now;
             pthread_mutex_unlock(&s->engine);
         } else {
             mp_cpu_relax();
         }
+        /* The peer this waits for may share this core (the scheduler moves ranks that wake each
+         * other onto one): past a short spin, let it run instead of taking its time slice. */
+        if (now >= moved_at + DRIVE_YIELD_AFTER)
+            sched_yield();
     }
     atomic_fetch_sub(&me->driving, 1);
     atomic_fetch_sub(&s->driving, 1);

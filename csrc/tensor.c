@@ -4,6 +4,7 @@
  * found once: what attribute lookup would call, without the lookup and the bound method it makes.
  * A subclass may override any attribute (a fake CUDA tensor overrides is_cuda): it is looked up. */
 #include "bindings.h"
+#include "dtype.h"
 
 static const char *const attr_names[MP_NUM_TENSOR_ATTRS] = {
     [MP_ATTR_LAYOUT] = "layout",
@@ -102,9 +103,8 @@ static int attr_u64(mp_state *st, PyObject *obj, int exact, mp_tensor_attr a, ui
     return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* Only a dense tensor's bytes are its values: sparse and mkldnn layouts keep them elsewhere, a
- * nested tensor's data_ptr() may be 0, and a conjugate or negative view applies its bit lazily,
- * so its bytes are not the values it reads as. */
+/* Only a dense tensor's bytes are its values: sparse and mkldnn layouts keep them elsewhere, and
+ * a nested tensor's data_ptr() may be 0. */
 static int check_dense(mp_state *st, PyObject *obj, int exact, const char *what)
 {
     PyObject *layout = attr(st, obj, exact, MP_ATTR_LAYOUT);
@@ -117,24 +117,29 @@ static int check_dense(mp_state *st, PyObject *obj, int exact, const char *what)
         return -1;
     }
     Py_DECREF(layout);
-    static const struct {
-        mp_tensor_attr attr;
-        const char *fix;
-    } views[] = {
-        {MP_ATTR_IS_NESTED, "a nested tensor has no single buffer: send its components"},
-        {MP_ATTR_IS_CONJ, "its conjugate bit is not applied to its bytes: pass tensor.resolve_conj()"},
-        {MP_ATTR_IS_NEG, "its negative bit is not applied to its bytes: pass tensor.resolve_neg()"},
-    };
-    for (size_t i = 0; i < sizeof views / sizeof views[0]; i++) {
-        int set = attr_true(st, obj, exact, views[i].attr);
-        if (set < 0)
+    int nested = attr_true(st, obj, exact, MP_ATTR_IS_NESTED);
+    if (nested > 0)
+        PyErr_Format(PyExc_ValueError, "%s: a nested tensor has no single buffer: send its components", what);
+    return nested ? -1 : 0;
+}
+
+/* A conjugate or negative view applies its bit lazily, so its bytes are not the values it reads
+ * as. The conjugate of a real value is itself: only a complex tensor's conjugate bit matters. */
+static int check_no_lazy_bit(mp_state *st, PyObject *obj, int exact, int complex, const char *what)
+{
+    if (complex) {
+        int conj = attr_true(st, obj, exact, MP_ATTR_IS_CONJ);
+        if (conj > 0)
+            PyErr_Format(PyExc_ValueError, "%s: its conjugate bit is not applied to its bytes: pass "
+                         "tensor.resolve_conj()", what);
+        if (conj)
             return -1;
-        if (set) {
-            PyErr_Format(PyExc_ValueError, "%s: %s", what, views[i].fix);
-            return -1;
-        }
     }
-    return 0;
+    int neg = attr_true(st, obj, exact, MP_ATTR_IS_NEG);
+    if (neg > 0)
+        PyErr_Format(PyExc_ValueError, "%s: its negative bit is not applied to its bytes: pass tensor.resolve_neg()",
+                     what);
+    return neg ? -1 : 0;
 }
 
 /* Whether the tensor lives where the communicator carries tensors (-1: CPU, else that CUDA
@@ -188,6 +193,8 @@ int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp
     }
     Py_DECREF(dtype);
     out->dtype = (int)PyLong_AsLong(code);
+    if (check_no_lazy_bit(st, obj, exact, out->dtype == MP_DT_COMPLEX64 || out->dtype == MP_DT_COMPLEX128, what) < 0)
+        return -1;
     if (check_device(st, obj, exact, what, device) <= 0)
         return -1;
     int contiguous = attr_true(st, obj, exact, MP_ATTR_IS_CONTIGUOUS);
