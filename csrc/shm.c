@@ -319,7 +319,12 @@ static void post_descriptor(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_
         memcpy(shm_inline_at(&s->v, c, op->seq), op->buf, op->nbytes);
     atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
     cl->published = op->seq + 1;
-    ring_peer(s, op);
+    /* A receiver that has not issued this receive yet finds the descriptor when it does (its
+     * post passes the engine after raising recv_issued; the fences pair), so it needs no wake:
+     * a futex wake costs microseconds, and a peer that is computing has no use for it. */
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&ch->recv_issued, memory_order_relaxed) > op->seq)
+        ring_peer(s, op);
 }
 
 /* For a send too large for its slot, to a peer with an arena: 1 when the receiver offered a
@@ -1024,6 +1029,7 @@ static mp_result shm_post(mp_transport *t, mp_step *step)
             answer(s, op, ch);
     }
     deferred_wakes.deferring = 0;
+    atomic_thread_fence(memory_order_seq_cst); /* issued before reading what peers posted: see post_descriptor() */
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);
     if (atomic_load_explicit(&s->watching, memory_order_relaxed))

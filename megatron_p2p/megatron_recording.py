@@ -81,6 +81,12 @@ class RecordingCommunicator:
         self._header = header
 
     @staticmethod
+    def empty(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer, as the communicator it stands for allocates one (plain memory: no
+        bytes move while recording)."""
+        return torch.empty(shape, dtype=dtype)
+
+    @staticmethod
     def check_tensor(tensor: torch.Tensor, name: str = "tensor") -> None:
         """What the shm communicator it stands for checks of a tensor before posting it."""
         _C.check_tensor(tensor, name)
