@@ -33,6 +33,8 @@ typedef enum {
     MP_NUM_TENSOR_ATTRS,
 } mp_tensor_attr;
 
+#define MP_EXCHANGE_OPTIONS 4 /* mode, prev_rank, next_rank, call */
+
 typedef struct {
     PyObject *P2PError;
     PyObject *P2PTimeoutError;
@@ -48,6 +50,7 @@ typedef struct {
      * where it is something else: called directly on tensors of exactly those two types. */
     PyObject *attr_descrs[MP_NUM_TENSOR_ATTRS];
     PyObject *slot_names[MP_NUM_SLOTS]; /* interned: the keys of exchange()'s result, by mp_slot */
+    PyObject *exchange_options[MP_EXCHANGE_OPTIONS]; /* interned: exchange()'s keyword-only names */
     PyObject *parameter_type; /* torch.nn.Parameter where it resolves them as torch.Tensor does, or NULL */
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;

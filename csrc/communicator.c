@@ -792,16 +792,48 @@ static int parse_mode(PyObject *mode, mp_mode *out)
     return -1;
 }
 
-static PyObject *comm_exchange(CommObject *self, PyObject *args, PyObject *kwargs)
+/* Where keyword `kw` goes among exchange()'s arguments (the four slots, then the options), or -1.
+ * Keywords written in source are interned, so identity almost always decides. */
+static int exchange_argument(mp_state *st, PyObject *kw)
 {
-    static char *kwlist[] = {"send_next", "recv_prev", "send_prev", "recv_next", "mode", "prev_rank", "next_rank",
-                             "call", NULL};
-    PyObject *tensors[MP_NUM_SLOTS] = {Py_None, Py_None, Py_None, Py_None};
-    PyObject *mode_obj = NULL, *prev_obj = Py_None, *next_obj = Py_None;
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < MP_NUM_SLOTS + MP_EXCHANGE_OPTIONS; i++) {
+            PyObject *name = i < MP_NUM_SLOTS ? st->slot_names[i] : st->exchange_options[i - MP_NUM_SLOTS];
+            if (pass ? PyUnicode_Compare(kw, name) == 0 : kw == name)
+                return i;
+        }
+    return -1;
+}
+
+/* METH_FASTCALL: PyArg_ParseTupleAndKeywords' tuple and dict were a tenth of the binding's cost. */
+static PyObject *comm_exchange(CommObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *given[MP_NUM_SLOTS + MP_EXCHANGE_OPTIONS] = {Py_None, Py_None, Py_None, Py_None,
+                                                          NULL,    Py_None, Py_None, Py_None};
+    if (nargs > MP_NUM_SLOTS)
+        return PyErr_Format(PyExc_TypeError, "exchange() takes at most %d positional arguments (%zd given)",
+                            MP_NUM_SLOTS, nargs);
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        given[i] = args[i];
+    for (Py_ssize_t k = 0; kwnames && k < PyTuple_GET_SIZE(kwnames); k++) {
+        PyObject *kw = PyTuple_GET_ITEM(kwnames, k);
+        int at = exchange_argument(self->state, kw);
+        if (at < 0)
+            return PyErr_Format(PyExc_TypeError, "exchange() got an unexpected keyword argument %R", kw);
+        if (at < nargs)
+            return PyErr_Format(PyExc_TypeError, "exchange() got multiple values for argument %R", kw);
+        given[at] = args[nargs + k];
+    }
+    PyObject **tensors = given;
+    PyObject *mode_obj = given[MP_NUM_SLOTS], *prev_obj = given[MP_NUM_SLOTS + 1], *next_obj = given[MP_NUM_SLOTS + 2];
     const char *call = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OOOO$OOOz:exchange", kwlist, &tensors[0], &tensors[1],
-                                     &tensors[2], &tensors[3], &mode_obj, &prev_obj, &next_obj, &call))
-        return NULL;
+    if (given[MP_NUM_SLOTS + 3] != Py_None) {
+        if (!PyUnicode_Check(given[MP_NUM_SLOTS + 3]))
+            return PyErr_Format(PyExc_TypeError, "exchange() argument 'call' must be str or None, not %.100s",
+                                Py_TYPE(given[MP_NUM_SLOTS + 3])->tp_name);
+        if (!(call = PyUnicode_AsUTF8(given[MP_NUM_SLOTS + 3])))
+            return NULL;
+    }
     mp_mode mode = MP_MODE_PARITY;
     if (mode_obj && parse_mode(mode_obj, &mode) < 0)
         return NULL;
@@ -1192,7 +1224,7 @@ static PyGetSetDef comm_getset[] = {
 };
 
 static PyMethodDef comm_methods[] = {
-    {"exchange", (PyCFunction)(void (*)(void))comm_exchange, METH_VARARGS | METH_KEYWORDS,
+    {"exchange", (PyCFunction)(void (*)(void))comm_exchange, METH_FASTCALL | METH_KEYWORDS,
      "exchange(send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode='parity', "
      "prev_rank=None, next_rank=None, call=None) -> dict\n\nPosts one pipeline exchange in one call and returns a "
      "Request per posted op, keyed by op name. mode='parity' issues the ops one by one in Megatron's "

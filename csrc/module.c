@@ -178,6 +178,9 @@ static int load_torch(mp_state *st)
         rc = mp_tensor_attrs_load(st, torch);
     for (int slot = 0; rc == 0 && slot < MP_NUM_SLOTS; slot++)
         rc = (st->slot_names[slot] = PyUnicode_InternFromString(mp_slot_name((mp_slot)slot))) ? 0 : -1;
+    static const char *const options[MP_EXCHANGE_OPTIONS] = {"mode", "prev_rank", "next_rank", "call"};
+    for (int i = 0; rc == 0 && i < MP_EXCHANGE_OPTIONS; i++)
+        rc = (st->exchange_options[i] = PyUnicode_InternFromString(options[i])) ? 0 : -1;
     Py_DECREF(torch);
     return rc;
 }
@@ -267,6 +270,8 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->parameter_type);
     for (int slot = 0; slot < MP_NUM_SLOTS; slot++)
         Py_CLEAR(st->slot_names[slot]);
+    for (int i = 0; i < MP_EXCHANGE_OPTIONS; i++)
+        Py_CLEAR(st->exchange_options[i]);
     for (int a = 0; a < MP_NUM_TENSOR_ATTRS; a++) {
         Py_CLEAR(st->attr_names[a]);
         Py_CLEAR(st->attr_descrs[a]);
