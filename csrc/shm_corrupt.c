@@ -152,24 +152,21 @@ static void corrupt_one(const shm_view *v, uint64_t *rng, void (*describe)(void 
     } else if (region < 8) {
         shm_chan *ch = shm_chan_at(v, pick_channel(v, rng, where, sizeof where));
         overwrite((char *)ch, &counter_fields[next_random(rng) % COUNT(counter_fields)], where, rng, describe, ctx);
-    } else if (region < 9) {
-        shm_chan *ch = shm_chan_at(v, pick_channel(v, rng, where, sizeof where));
-        /* Half the time the newest offer, the one a sender may be about to take. */
-        uint64_t active = atomic_load_explicit(&ch->recv_posted, memory_order_relaxed);
-        uint64_t i = (next_random(rng) % 2 && active ? active - 1 : next_random(rng)) % SHM_NSLOTS;
-        size_t n = strlen(where);
-        snprintf(where + n, sizeof where - n, ".offers[%llu]", (unsigned long long)i);
-        overwrite((char *)&ch->offers[i], &offer_fields[next_random(rng) % COUNT(offer_fields)], where, rng, describe,
-                  ctx);
     } else {
         shm_chan *ch = shm_chan_at(v, pick_channel(v, rng, where, sizeof where));
-        /* Half the time the newest descriptor, the one a receiver may be about to read. */
-        uint64_t posted = atomic_load_explicit(&ch->posted, memory_order_relaxed);
-        uint64_t i = (next_random(rng) % 2 && posted ? posted - 1 : next_random(rng)) % SHM_NSLOTS;
+        /* Half the time the newest entry: the offer a sender, or the descriptor a receiver, may
+         * be about to read. */
+        int offers = region < 9;
+        uint64_t newest = atomic_load_explicit(offers ? &ch->recv_posted : &ch->posted, memory_order_relaxed);
+        uint64_t i = (next_random(rng) % 2 && newest ? newest - 1 : next_random(rng)) % SHM_NSLOTS;
         size_t n = strlen(where);
-        snprintf(where + n, sizeof where - n, ".slots[%llu]", (unsigned long long)i);
-        overwrite((char *)&ch->slots[i], &slot_fields[next_random(rng) % COUNT(slot_fields)], where, rng, describe,
-                  ctx);
+        snprintf(where + n, sizeof where - n, offers ? ".offers[%llu]" : ".slots[%llu]", (unsigned long long)i);
+        if (offers)
+            overwrite((char *)&ch->offers[i], &offer_fields[next_random(rng) % COUNT(offer_fields)], where, rng,
+                      describe, ctx);
+        else
+            overwrite((char *)&ch->slots[i], &slot_fields[next_random(rng) % COUNT(slot_fields)], where, rng,
+                      describe, ctx);
     }
 }
 
