@@ -413,7 +413,6 @@ class P2PCommunicator:
         problems = [p for p in (self._check_dtype(prev_dtype, self.prev_rank, "recv_prev") if recv_prev else None,
                                 self._check_dtype(next_dtype, self.next_rank, "recv_next") if recv_next else None)
                     if p]
-        device = self._device()
 
         def buffer(wanted: bool, shape: Any, announced: Optional[torch.dtype], name: str) -> Optional[torch.Tensor]:
             if not wanted:
