@@ -9,7 +9,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "shm_segment.h"
@@ -37,13 +36,6 @@ struct mp_arena {
 };
 
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
-
-static mp_result system_error(char *err, size_t errlen, const char *what, const char *name, int e)
-{
-    snprintf(err, errlen, "%s %s: %s%s", what, name, strerror(e),
-             e == EMFILE ? " (the process's RLIMIT_NOFILE is exhausted: raise it with `ulimit -n`)" : "");
-    return MP_ERR_SYSTEM;
-}
 
 mp_result mp_arena_create(const char *name, uint64_t bytes, mp_arena **out, char *err, size_t errlen)
 {
@@ -73,14 +65,14 @@ mp_result mp_arena_create(const char *name, uint64_t bytes, mp_arena **out, char
     int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
     mp_result r = MP_OK;
     if (fd < 0) {
-        r = system_error(err, errlen, "cannot create receive arena", name, errno);
+        r = shm_system_error(err, errlen, "cannot create receive arena", name, errno);
         a->name[0] = '\0';
     } else if (ftruncate(fd, (off_t)bytes) != 0) {
-        r = system_error(err, errlen, "cannot size receive arena", name, errno);
+        r = shm_system_error(err, errlen, "cannot size receive arena", name, errno);
     } else {
         void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (base == MAP_FAILED)
-            r = system_error(err, errlen, "cannot map receive arena", name, errno);
+            r = shm_system_error(err, errlen, "cannot map receive arena", name, errno);
         else
             a->base = base;
     }
@@ -101,11 +93,11 @@ mp_result mp_arena_map_peer(const char *name, uint64_t bytes, char **base, char 
 {
     int fd = shm_open(name, O_RDWR, 0);
     if (fd < 0)
-        return system_error(err, errlen, "cannot open a peer's receive arena", name, errno);
+        return shm_system_error(err, errlen, "cannot open a peer's receive arena", name, errno);
     struct stat st;
     mp_result r = MP_OK;
     if (fstat(fd, &st) != 0) {
-        r = system_error(err, errlen, "cannot inspect a peer's receive arena", name, errno);
+        r = shm_system_error(err, errlen, "cannot inspect a peer's receive arena", name, errno);
     } else if (st.st_uid != geteuid()) {
         snprintf(err, errlen, "receive arena %s belongs to uid %u, not to this process's uid %u: refusing to map it",
                  name, (unsigned)st.st_uid, (unsigned)geteuid());
@@ -117,7 +109,7 @@ mp_result mp_arena_map_peer(const char *name, uint64_t bytes, char **base, char 
     } else {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (p == MAP_FAILED)
-            r = system_error(err, errlen, "cannot map a peer's receive arena", name, errno);
+            r = shm_system_error(err, errlen, "cannot map a peer's receive arena", name, errno);
         else
             *base = p;
     }
@@ -214,10 +206,8 @@ void *mp_arena_alloc(mp_arena *a, uint64_t nbytes, char *why, size_t whylen)
         if (e < 0) {
             snprintf(why, whylen, "out of memory");
         } else if (e) {
-            struct statvfs fs;
-            double free_mib = statvfs("/dev/shm", &fs) == 0 ? (double)fs.f_bavail * (double)fs.f_frsize / 1048576.0 : 0;
             snprintf(why, whylen, "/dev/shm has %.1f MiB free, too little to back %llu bytes of the receive arena (%s)",
-                     free_mib, (unsigned long long)nbytes, strerror(e));
+                     shm_free_mib(), (unsigned long long)nbytes, strerror(e));
         } else {
             /* The free range becomes [free head][used][free tail]. */
             block b = a->blocks[i];

@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/statvfs.h>
 #include <sys/random.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -295,10 +294,8 @@ static int commit_region(shm_t *s, mp_step *step, mp_op *op, uint8_t *committed,
         *committed = 1;
         return 0;
     }
-    struct statvfs fs;
-    double free_mib = statvfs("/dev/shm", &fs) == 0 ? (double)fs.f_bavail * (double)fs.f_frsize / 1048576.0 : 0;
     snprintf(op->detail, sizeof op->detail, "/dev/shm has %.1f MiB free, too little for the %s of the channel to "
-             "rank %d (%.1f MiB; %s); give /dev/shm more space (in a container, --shm-size)", free_mib, what,
+             "rank %d (%.1f MiB; %s); give /dev/shm more space (in a container, --shm-size)", shm_free_mib(), what,
              op->peer_global, (double)len / 1048576.0, e == EFAULT ? "the kernel could not back it" : strerror(e));
     shm_abort(&s->base, MP_ERR_SYSTEM, s->base.rank, op->detail);
     finish(s, step, op, MP_ERR_SYSTEM);

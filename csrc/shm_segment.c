@@ -63,7 +63,13 @@ int shm_segment_commit(char *addr, uint64_t len)
     return errno == EINVAL ? 0 : errno; /* EINVAL: an older kernel; the first write backs it */
 }
 
-static mp_result fail(char *err, size_t errlen, const char *what, const char *name, int e)
+double shm_free_mib(void)
+{
+    struct statvfs fs;
+    return statvfs("/dev/shm", &fs) == 0 ? (double)fs.f_bavail * (double)fs.f_frsize / 1048576.0 : 0;
+}
+
+mp_result shm_system_error(char *err, size_t errlen, const char *what, const char *name, int e)
 {
     snprintf(err, errlen, "%s %s: %s%s", what, name, strerror(e),
              e == EMFILE ? " (the process's RLIMIT_NOFILE is exhausted: raise it with `ulimit -n`)" : "");
@@ -75,7 +81,7 @@ static mp_result create_segment(const char *name, uint64_t total, int *fd_out, c
     shm_segment_sweep_stale();
     int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0)
-        return fail(err, errlen, "cannot create shared-memory segment", name, errno);
+        return shm_system_error(err, errlen, "cannot create shared-memory segment", name, errno);
     struct statvfs fs;
     if (fstatvfs(fd, &fs) == 0 && (uint64_t)fs.f_bavail * fs.f_frsize < total / 8) {
         /* The segment is sparse, but a /dev/shm far smaller than it would SIGBUS later. */
@@ -92,7 +98,7 @@ static mp_result create_segment(const char *name, uint64_t total, int *fd_out, c
         int e = errno;
         close(fd);
         shm_unlink(name);
-        return fail(err, errlen, "cannot size shared-memory segment", name, e);
+        return shm_system_error(err, errlen, "cannot size shared-memory segment", name, e);
     }
     *fd_out = fd;
     return MP_OK;
@@ -157,7 +163,7 @@ static mp_result attach_segment(const char *name, uint64_t total, double deadlin
                 return MP_ERR_CORRUPT;
             }
         } else if (errno != ENOENT) {
-            return fail(err, errlen, "cannot open shared-memory segment", name, errno);
+            return shm_system_error(err, errlen, "cannot open shared-memory segment", name, errno);
         }
         mp_result r = keep_waiting(name, deadline, interrupt, "create", err, errlen);
         if (r != MP_OK)
@@ -182,7 +188,7 @@ mp_result shm_segment_map(const char *name, int create, int size, int nlanes, ui
     if (base == MAP_FAILED) {
         if (create)
             shm_unlink(name);
-        return fail(err, errlen, "cannot map shared-memory segment", name, e);
+        return shm_system_error(err, errlen, "cannot map shared-memory segment", name, e);
     }
     v->base = base;
     v->lay = lay;
@@ -192,10 +198,8 @@ mp_result shm_segment_map(const char *name, int create, int size, int nlanes, ui
     if (create) {
         int no_room = shm_segment_commit(base, lay.inline_data); /* the header, ranks and channels */
         if (no_room) {
-            struct statvfs fs;
-            uint64_t avail = statvfs("/dev/shm", &fs) == 0 ? (uint64_t)fs.f_bavail * fs.f_frsize : 0;
             snprintf(err, errlen, "/dev/shm has %llu MiB free; shared-memory segment %s needs %llu MiB for its "
-                     "control part alone (%s; in a container, raise --shm-size)", (unsigned long long)(avail >> 20),
+                     "control part alone (%s; in a container, raise --shm-size)", (unsigned long long)shm_free_mib(),
                      name, (unsigned long long)((lay.inline_data + (1u << 20) - 1) >> 20), strerror(no_room));
             shm_segment_unmap(v);
             shm_unlink(name);

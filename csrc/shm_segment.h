@@ -165,6 +165,12 @@ void shm_layout_compute(int size, int nlanes, uint64_t eager_threshold, shm_layo
  * 0, or the errno (ENOMEM / EFAULT: no room). Writers call it before first touching a region. */
 int shm_segment_commit(char *addr, uint64_t len);
 
+/* MiB free in /dev/shm (0 when it cannot be read), for errors that say how much room is missing. */
+double shm_free_mib(void);
+
+/* Fills `err` with "<what> <name>: <strerror(e)>", and how to fix a descriptor shortage: MP_ERR_SYSTEM. */
+mp_result shm_system_error(char *err, size_t errlen, const char *what, const char *name, int e);
+
 /* Creates (mode 0600, exclusive) or attaches to `name` and maps it into `v`. Attaching retries
  * until the creator has published the header or `deadline` passes, then checks that the header
  * agrees with this rank's arguments. */

@@ -14,13 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import harness
 from arena_maps import in_own_arena
+from security import find_shm, shm_names
 
-FIND_LIMIT = 60.0  # seconds for rank 0's arena to appear: a loaded 2-core machine
 OPEN = """
 import json, os, sys
 out = {}
@@ -49,16 +48,7 @@ def run_python(uid, source, *args):
 
 
 def arenas_of(pid):
-    return sorted(p.name for p in Path("/dev/shm").glob(f"mp2p-{pid}-*-a*"))
-
-
-def find_arena(pid):
-    deadline = time.monotonic() + FIND_LIMIT
-    while not (names := arenas_of(pid)):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 (pid {pid}) made no arena within {FIND_LIMIT:.0f} s")
-        time.sleep(0.005)
-    return Path("/dev/shm") / names[0]
+    return shm_names(pid, arenas=True)
 
 
 def observed(mp, torch, store, me, params):
@@ -69,7 +59,7 @@ def observed(mp, torch, store, me, params):
         comm = mp._C.Communicator("shm", name, 0, [0, 1], timeout=params["timeout"], arena_bytes=params["arena_bytes"])
     else:
         rank0 = json.loads(store.get("arena-security/observed"))
-        arena = find_arena(rank0["pid"])
+        arena = find_shm(rank0["pid"], arenas=True)
         st = arena.stat()
         out.update(rank0_pid=rank0["pid"], arena=arena.name, mode=st.st_mode & 0o7777, owner=st.st_uid,
                    size=st.st_size, own_uid=json.loads(run_python(None, OPEN, str(arena))))
@@ -101,7 +91,7 @@ def planted(mp, store, me, params):
         return {"create": harness.caught(lambda: mp._C.Communicator(
             "shm", name, 0, [0, 1], timeout=params["timeout"], arena_bytes=params["arena_bytes"]).close())}
     rank0 = json.loads(store.get("arena-security/planted"))
-    arena = find_arena(rank0["pid"])
+    arena = find_shm(rank0["pid"], arenas=True)
     arena.unlink()
     run_python(params["other_uid"], PLANT, str(arena), str(params["arena_bytes"]))
     st = arena.stat()

@@ -13,6 +13,7 @@ trace_dir (None: not traced): every rank re-runs itself under strace, writing
 import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,15 +39,23 @@ def mark_end_of_trace() -> None:
     ctypes.CDLL(None).prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
 
 
+def shm_names(pid: int, arenas: bool = False) -> list[str]:
+    """The /dev/shm names process `pid` made: its segments, or its receive arenas ("...-a<rank>")."""
+    names = (p.name for p in Path("/dev/shm").glob(f"mp2p-{pid}-*"))
+    return sorted(n for n in names if bool(re.search(r"-a\d+$", n)) == arenas)
+
+
 def segments_of(pid: int) -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(f"mp2p-{pid}-*"))
+    return shm_names(pid)
 
 
-def find_segment(pid: int) -> Path:
+def find_shm(pid: int, arenas: bool = False) -> Path:
+    """Rank 0's segment (or arena), once it has made it."""
+    what = "arena" if arenas else "segment"
     deadline = time.monotonic() + FIND_LIMIT
-    while not (names := segments_of(pid)):
+    while not (names := shm_names(pid, arenas)):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 (pid {pid}) made no segment within {FIND_LIMIT:.0f} s")
+            raise TimeoutError(f"rank 0 (pid {pid}) made no {what} within {FIND_LIMIT:.0f} s")
         time.sleep(0.005)
     return Path("/dev/shm") / names[0]
 
@@ -91,7 +100,7 @@ def body(params):
         comm = mp._C.Communicator("shm", name, 0, [0, 1], timeout=120.0)
     else:
         rank0 = json.loads(store.get("security/rank0"))
-        segment = find_segment(rank0["pid"])
+        segment = find_shm(rank0["pid"])
         st = segment.stat()
         out.update(rank0=rank0, segment=segment.name, mode=st.st_mode & 0o7777, owner=st.st_uid,
                    own_uid=probe(segment, rank0["pid"], rank0["addr"], None))
