@@ -814,6 +814,14 @@ static mp_result shm_abort_cause(mp_transport *t, int *rank)
     return (mp_result)cause;
 }
 
+/* Whether a peer's fence, already seen, is final for this rank: a cycle's ranks are fenced one
+ * by one under detect_lock, so while it is held this rank may be in the cycle with its own fence
+ * still to come. Read after the peer's fence: the unlock follows every fence of the cycle. */
+static int peer_fence_final(shm_t *s)
+{
+    return !atomic_load(&shm_hdr(&s->v)->detect_lock) && !atomic_load(&my_slot(s)->fence);
+}
+
 /* Fails the ops of the active steps that nobody will ever serve, so that the rest of their lane
  * goes on: those whose peer is fenced in a deadlock (with its report), and, when `departed`,
  * those whose peer closed the communicator without posting their partner (a closed rank posts
@@ -837,6 +845,8 @@ static int fail_unserved(shm_t *s, int departed)
             uint32_t fence = atomic_load(&peer->fence);
             if (fence && !fence_valid(s, op->peer, fence))
                 return 1;
+            if (fence && !peer_fence_final(s))
+                return failed;
             if (fence) {
                 snprintf(op->detail, sizeof op->detail,
                          "rank %d, which this op needs, is in a wait-for cycle that can never resolve (the deadlock "

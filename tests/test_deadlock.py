@@ -2,9 +2,14 @@
 DeadlockError on exactly the ranks of the cycle, within a second, whatever the timeout (60 s
 here), naming every rank and op of the cycle. Ranks that compute, or wait on a busy peer, are
 never reported. One 4-rank job runs every case (tests/workers/deadlock_cases.py)."""
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from conftest import run_job
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DETECTION_LIMIT = 1.0  # seconds from the cycle forming to the error; the goal is 0.1
 
@@ -74,3 +79,23 @@ def test_rank_computing_for_three_seconds_before_posting_is_not_reported(cases):
 def test_waiting_on_a_peer_that_waits_on_a_computing_peer_is_not_reported(cases):
     for rank in (0, 1, 2):
         assert cases[rank]["busy_chain"]["type"] is None, (rank, cases[rank]["busy_chain"])
+
+
+@pytest.fixture(scope="module")
+def fence_order(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/c/shm_fence_order.c, built by the Makefile's rule into a directory of this test's own."""
+    binary = tmp_path_factory.mktemp("fence") / "shm_fence_order"
+    subprocess.run(["make", "-s", str(binary)], cwd=ROOT, check=True, timeout=300)
+    return binary
+
+
+@pytest.mark.parametrize("case, result", [("member", "deadlock"), ("waiter", "communicator aborted")])
+def test_a_rank_woken_while_its_cycle_is_being_fenced_waits_for_the_verdict(fence_order: Path, case: str,
+                                                                           result: str) -> None:
+    """A cycle's ranks are fenced one by one. A member that looks between its peer's fence and its
+    own is still reported as a member (DeadlockError), never as a rank waiting on one (P2PError);
+    a rank left unfenced once the fencing ends is the latter. The C program holds the fencing
+    half-done for 0.5 s, then finishes it with or without rank 1."""
+    proc = subprocess.run([str(fence_order), case], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"{case}: {result} after "), proc.stdout
