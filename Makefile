@@ -128,7 +128,7 @@ ENGINE_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -g -Icsrc -pthread
 	mkdir -p $(@D)
 	gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)
 
-# tests/test_deadlock.py builds it the same way: a cycle's fencing held half-done by hand.
+# tests/test_deadlock.py builds this one: a deadlock cycle's fencing held half-done on purpose.
 %/shm_fence_order: tests/c/shm_fence_order.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
 	mkdir -p $(@D)
 	gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)

@@ -1,7 +1,8 @@
 """Deadlocks at run time: a wait-for cycle among ranks that are all blocked in waits is raised as
 DeadlockError on exactly the ranks of the cycle, within a second, whatever the timeout (60 s
 here), naming every rank and op of the cycle. Ranks that compute, or wait on a busy peer, are
-never reported. One 4-rank job runs every case (tests/workers/deadlock_cases.py)."""
+never reported. One 4-rank job runs every case (tests/workers/deadlock_cases.py); a C program
+(tests/c/shm_fence_order.c) holds a cycle's fencing half-done, which no job can do on purpose."""
 import subprocess
 from pathlib import Path
 
