@@ -5,7 +5,7 @@ the harder baseline where there are two (the faster gloo call, the faster stock 
 takes the worst point of its range (by median); the goal's `spread` is that point's."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from timing import median, ranged, spread
 
@@ -32,11 +32,14 @@ def gloo_over_ours(us: dict[str, dict[str, float]]) -> float:
     return min(us[g]["median_us"] for g in GLOO) / us["megatron_p2p"]["median_us"]
 
 
-def latency_vs_gloo(repeats: list[list[dict]]) -> dict:
-    def ratios(points: list[dict]) -> dict[int, float]:
-        return {p["bytes"]: gloo_over_ours(p["us"]) for p in points if p["bytes"] <= SMALL}
+def _per_small_size(repeats: list[list[dict]], figure: Callable[[dict], float]) -> dict[int, list[float]]:
+    """Each 0-1 KiB size's `figure` (of its point's "us") in every repetition."""
+    sizes = [p["bytes"] for p in repeats[0] if p["bytes"] <= SMALL]
+    return {b: [figure(next(p for p in points if p["bytes"] == b)["us"]) for points in repeats] for b in sizes}
 
-    per_size = {b: [ratios(r)[b] for r in repeats] for b in ratios(repeats[0])}
+
+def latency_vs_gloo(repeats: list[list[dict]]) -> dict:
+    per_size = _per_small_size(repeats, gloo_over_ours)
     worst = per_size[min(per_size, key=lambda b: median(per_size[b]))]
     detail = "median [min-max] over repetitions: " + ", ".join(
         f"{b} B {ranged(v, '.1f')}x" for b, v in per_size.items())
@@ -46,10 +49,7 @@ def latency_vs_gloo(repeats: list[list[dict]]) -> dict:
 
 def _latency_bound(repeats: list[list[dict]], figure: str, what: str, target: float) -> dict:
     """The slowest 0-1 KiB size's `figure` (median_us or p99_us) of this package, in microseconds."""
-    def small(points: list[dict]) -> dict[int, float]:
-        return {p["bytes"]: p["us"]["megatron_p2p"][figure] for p in points if p["bytes"] <= SMALL}
-
-    per_size = {b: [small(r)[b] for r in repeats] for b in small(repeats[0])}
+    per_size = _per_small_size(repeats, lambda us: us["megatron_p2p"][figure])
     worst = per_size[max(per_size, key=lambda b: median(per_size[b]))]
     detail = "us, median [min-max] over repetitions: " + ", ".join(f"{b} B {ranged(v)}" for b, v in per_size.items())
     return _goal(f"small-message latency (0-1 KiB, one-way {what}) of this package, us", median(worst), "<=", target,
@@ -117,7 +117,7 @@ def binding_layer(repeats: list[dict]) -> dict:
     name = "binding layer: CPU time to post a four-op exchange on the null transport, us"
     if binding_layer_us(repeats[0]) is None:
         return _goal(name, None, "<=", 3.0, "not measured: this build's overhead section reports no null transport")
-    ours = [r["binding_layer"]["cpu_us"] for r in repeats]
+    ours = [binding_layer_us(r) for r in repeats]
     batch = [r["us"]["torch_batch_isend_irecv"]["cpu_median_us"] for r in repeats]
     return _goal(name, median(ours), "<=", 3.0,
                  f"{ranged(ours)} us beside torch batch_isend_irecv's {ranged(batch, '.1f')} us to post "

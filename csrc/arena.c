@@ -132,7 +132,6 @@ void mp_arena_unlink(mp_arena *a)
     pthread_mutex_unlock(&a->lock);
 }
 
-char *mp_arena_base(const mp_arena *a) { return a->base; }
 uint64_t mp_arena_bytes(const mp_arena *a) { return a->bytes; }
 
 int mp_arena_holds(const mp_arena *a, const void *p, uint64_t n, uint64_t *off)
@@ -275,8 +274,6 @@ void mp_arena_quarantine(mp_arena *a, const void *p)
 }
 
 int mp_arena_first_refusal(mp_arena *a) { return atomic_exchange(&a->refused, 1) == 0; }
-
-void mp_arena_retain(mp_arena *a) { atomic_fetch_add(&a->refs, 1); }
 
 void mp_arena_release(mp_arena *a)
 {

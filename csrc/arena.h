@@ -26,7 +26,6 @@ void mp_arena_unmap_peer(char *base, uint64_t bytes);
 /* Removes the arena's name (once every peer has mapped it, or creation failed). Idempotent. */
 void mp_arena_unlink(mp_arena *a);
 
-char *mp_arena_base(const mp_arena *a);
 uint64_t mp_arena_bytes(const mp_arena *a);
 
 /* A block of at least `nbytes`, backed by memory (each page once in the arena's life), with a
@@ -48,7 +47,6 @@ int mp_arena_holds(const mp_arena *a, const void *p, uint64_t n, uint64_t *off);
 /* 1 the first time it is called on the arena: whoever falls back to plain memory says so once. */
 int mp_arena_first_refusal(mp_arena *a);
 
-void mp_arena_retain(mp_arena *a);
 /* Drops a reference; the last one unmaps the arena. */
 void mp_arena_release(mp_arena *a);
 

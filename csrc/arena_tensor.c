@@ -54,7 +54,7 @@ static void capsule_destructor(PyObject *capsule)
 
 /* A 1-d uint8 tensor over a new block of `nbytes`, or NULL: with an exception set when Python
  * failed, without one (and `why` filled) when the arena refused. */
-static PyObject *block_tensor(PyObject *torch, mp_arena *a, uint64_t nbytes, char *why, size_t whylen)
+static PyObject *block_tensor(mp_state *st, mp_arena *a, uint64_t nbytes, char *why, size_t whylen)
 {
     arena_block *b = PyMem_RawCalloc(1, sizeof *b);
     if (!b)
@@ -74,7 +74,7 @@ static PyObject *block_tensor(PyObject *torch, mp_arena *a, uint64_t nbytes, cha
         release_block(&b->managed);
         return NULL;
     }
-    PyObject *out = PyObject_CallMethod(torch, "from_dlpack", "O", capsule);
+    PyObject *out = PyObject_CallOneArg(st->from_dlpack, capsule);
     Py_DECREF(capsule);
     return out;
 }
@@ -103,6 +103,20 @@ static int64_t numel_of(PyObject *shape)
     return numel;
 }
 
+/* Said once per arena, on the logger the Python layer uses. */
+static int warn_fallback(const char *why)
+{
+    PyObject *logging = PyImport_ImportModule("logging");
+    PyObject *log = logging ? PyObject_CallMethod(logging, "getLogger", "s", "megatron_p2p.communicator") : NULL;
+    PyObject *done = log ? PyObject_CallMethod(log, "warning", "ss", "megatron_p2p: %s; receive buffers fall back "
+                                               "to plain memory (single copy by the receiver)", why)
+                         : NULL;
+    Py_XDECREF(done);
+    Py_XDECREF(log);
+    Py_XDECREF(logging);
+    return done ? 0 : -1;
+}
+
 PyObject *mp_comm_empty(CommObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"shape", "dtype", NULL};
@@ -127,50 +141,30 @@ PyObject *mp_comm_empty(CommObject *self, PyObject *args, PyObject *kwargs)
         return PyErr_Format(PyExc_ValueError, "shape %R of %R is too large", shape, dtype);
     uint64_t nbytes = (uint64_t)numel * (uint64_t)itemsize;
 
-    PyObject *torch = PyImport_ImportModule("torch");
-    if (!torch)
-        return NULL;
-    PyObject *out = NULL;
     mp_arena *a = self->transport ? mp_shm_arena(self->transport) : NULL;
     /* Messages that fit a descriptor slot travel inline: the arena would not save their copy. */
     if (a && nbytes > SHM_INLINE_BYTES && nbytes > self->eager_threshold) {
         char why[256] = "";
-        PyObject *bytes = block_tensor(torch, a, nbytes, why, sizeof why);
+        PyObject *bytes = block_tensor(st, a, nbytes, why, sizeof why);
         if (bytes) {
             PyObject *typed = PyObject_CallMethod(bytes, "view", "O", dtype);
-            out = typed ? PyObject_CallMethod(typed, "view", "O", shape) : NULL;
-            Py_XDECREF(typed);
             Py_DECREF(bytes);
-        } else if (!PyErr_Occurred() && mp_arena_first_refusal(a)) {
-            PyObject *logging = PyImport_ImportModule("logging");
-            PyObject *log = logging ? PyObject_CallMethod(logging, "getLogger", "s", "megatron_p2p.communicator") : NULL;
-            PyObject *done = log ? PyObject_CallMethod(log, "warning", "ss", "megatron_p2p: %s; receive buffers "
-                                                       "fall back to plain memory (single copy by the receiver)", why)
-                                 : NULL;
-            Py_XDECREF(done);
-            Py_XDECREF(log);
-            Py_XDECREF(logging);
+            PyObject *out = typed ? PyObject_CallMethod(typed, "view", "O", shape) : NULL;
+            Py_XDECREF(typed);
+            return out;
         }
-        if (!out && PyErr_Occurred()) {
-            Py_DECREF(torch);
+        if (PyErr_Occurred())
             return NULL;
-        }
+        if (mp_arena_first_refusal(a) && warn_fallback(why) < 0)
+            return NULL;
     }
-    if (!out) {
-        PyObject *empty = PyObject_GetAttrString(torch, "empty");
-        PyObject *kw = empty ? PyDict_New() : NULL;
-        PyObject *device = kw && self->device >= 0 ? PyUnicode_FromFormat("cuda:%d", self->device) : NULL;
-        if (kw && PyDict_SetItemString(kw, "dtype", dtype) == 0 &&
-            (self->device < 0 || (device && PyDict_SetItemString(kw, "device", device) == 0))) {
-            PyObject *pos = PyTuple_Pack(1, shape);
-            out = pos ? PyObject_Call(empty, pos, kw) : NULL;
-            Py_XDECREF(pos);
-        }
-        Py_XDECREF(device);
-        Py_XDECREF(kw);
-        Py_XDECREF(empty);
-    }
-    Py_DECREF(torch);
+    PyObject *device = self->device >= 0 ? PyUnicode_FromFormat("cuda:%d", self->device) : Py_NewRef(Py_None);
+    PyObject *kw = device ? Py_BuildValue("{s:O,s:O}", "dtype", dtype, "device", device) : NULL;
+    PyObject *pos = kw ? PyTuple_Pack(1, shape) : NULL;
+    PyObject *out = pos ? PyObject_Call(st->torch_empty, pos, kw) : NULL;
+    Py_XDECREF(pos);
+    Py_XDECREF(kw);
+    Py_XDECREF(device);
     return out;
 }
 

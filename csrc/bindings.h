@@ -44,6 +44,7 @@ typedef struct {
     PyObject *BackendUnavailableError;
     PyObject *tensor_type;   /* torch.Tensor */
     PyObject *strided;       /* torch.strided: the one layout whose bytes are its values */
+    PyObject *torch_empty, *from_dlpack; /* torch.empty, torch.from_dlpack: Communicator.empty() */
     PyObject *dtype_codes;   /* {torch.dtype: mp_dtype code} */
     PyObject *attr_names[MP_NUM_TENSOR_ATTRS];  /* interned */
     /* The C descriptor (getset or method) each attribute resolves to on torch.Tensor, or NULL

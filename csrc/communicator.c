@@ -702,60 +702,45 @@ static void number_step(CommObject *self, const step_plan *sp, mp_step *step, co
 static int post_steps(CommObject *self, const step_plan *plans, int nsteps, const char *call_name,
                       RequestObject **reqs)
 {
-    mp_step *steps[MP_NUM_SLOTS], **many = nsteps > MP_NUM_SLOTS ? PyMem_Calloc((size_t)nsteps, sizeof *many) : steps;
-    if (!many) {
+    mp_step *local[MP_NUM_SLOTS], **steps = nsteps > MP_NUM_SLOTS ? PyMem_Calloc((size_t)nsteps, sizeof *steps) : local;
+    if (!steps) {
         PyErr_NoMemory();
         return -1;
     }
-    int nreqs = 0, prepared = 0;
-    for (; prepared < nsteps; prepared++) {
-        many[prepared] = make_step(self, &plans[prepared], reqs + nreqs);
-        if (!many[prepared])
-            break;
-        nreqs += plans[prepared].nops;
-    }
-    if (prepared == nsteps) { /* numbered only once all can be posted: the sequences never skip */
-        double now = mp_wall_time();
-        for (int i = 0; i < nsteps; i++)
-            number_step(self, &plans[i], many[i], call_name, now);
-    }
+    int made = 0, nreqs = 0;
+    while (made < nsteps && (steps[made] = make_step(self, &plans[made], reqs + nreqs)))
+        nreqs += plans[made++].nops;
     mp_transport *t = self->transport;
     mp_result r = MP_OK;
-    int posted = 0;
-    if (prepared == nsteps) {
+    int posted = 0; /* steps the transport took */
+    if (made == nsteps) { /* numbered only once all can be posted: the sequences never skip */
+        double now = mp_wall_time();
+        for (int i = 0; i < nsteps; i++)
+            number_step(self, &plans[i], steps[i], call_name, now);
         Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
-        for (; posted < nsteps && r == MP_OK; posted++)
-            r = t->ops->post(t, many[posted]);
+        while (posted < nsteps && (r = t->ops->post(t, steps[posted])) == MP_OK)
+            posted++;
         Py_END_ALLOW_THREADS
-        if (r != MP_OK) /* the transport did not take the last one */
-            posted--;
     }
-    int kept = 0; /* Requests of the posted steps */
+    for (int i = posted; i < made; i++)
+        free(steps[i]);
+    if (steps != local)
+        PyMem_Free(steps);
+    int kept = 0; /* Requests of the posted steps: in flight whatever else failed */
     for (int i = 0; i < posted; i++)
         kept += plans[i].nops;
-    for (int i = posted; i < prepared; i++)
-        free(many[i]);
-    for (int i = kept; i < nreqs; i++)
-        Py_CLEAR(reqs[i]);
-    if (many != steps)
-        PyMem_Free(many);
-    for (int i = 0; i < kept; i++)
-        if (PyList_Append(self->inflight, (PyObject *)reqs[i]) < 0) {
-            for (int j = 0; j < kept; j++)
-                Py_CLEAR(reqs[j]);
-            return -1;
-        }
-    if (prepared < nsteps) { /* the error of the Request that could not be made is set */
-        for (int j = 0; j < kept; j++)
-            Py_CLEAR(reqs[j]);
-        return -1;
-    }
-    if (r != MP_OK) {
-        for (int j = 0; j < kept; j++)
-            Py_CLEAR(reqs[j]);
+    int rc = made == nsteps ? 0 : -1; /* else the error of the Request that could not be made is set */
+    for (int i = 0; rc == 0 && i < kept; i++)
+        rc = PyList_Append(self->inflight, (PyObject *)reqs[i]);
+    if (rc == 0 && r != MP_OK) {
         check_usable(self);
         if (!PyErr_Occurred())
             PyErr_Format(self->state->P2PError, "posting failed: %s", mp_result_str(r));
+        rc = -1;
+    }
+    if (rc < 0) {
+        for (int i = 0; i < nreqs; i++)
+            Py_CLEAR(reqs[i]);
         return -1;
     }
     /* Posting itself may have aborted (a launch that failed, a debug-matching disagreement): the

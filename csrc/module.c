@@ -161,8 +161,10 @@ static int load_torch(mp_state *st)
         return -1;
     st->tensor_type = PyObject_GetAttrString(torch, "Tensor");
     st->strided = PyObject_GetAttrString(torch, "strided");
+    st->torch_empty = PyObject_GetAttrString(torch, "empty");
+    st->from_dlpack = PyObject_GetAttrString(torch, "from_dlpack");
     st->dtype_codes = PyDict_New();
-    int rc = st->tensor_type && st->strided && st->dtype_codes ? 0 : -1;
+    int rc = st->tensor_type && st->strided && st->torch_empty && st->from_dlpack && st->dtype_codes ? 0 : -1;
     for (int code = 0; rc == 0 && code < MP_NUM_DTYPES; code++) {
         PyObject *dt = PyObject_GetAttrString(torch, mp_dtype_name(code));
         if (!dt) {
@@ -246,6 +248,8 @@ static int module_traverse(PyObject *mod, visitproc visit, void *arg)
     Py_VISIT(st->BackendUnavailableError);
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->strided);
+    Py_VISIT(st->torch_empty);
+    Py_VISIT(st->from_dlpack);
     Py_VISIT(st->dtype_codes);
     Py_VISIT(st->parameter_type);
     for (int a = 0; a < MP_NUM_TENSOR_ATTRS; a++)
@@ -266,6 +270,8 @@ static int module_clear(PyObject *mod)
     Py_CLEAR(st->BackendUnavailableError);
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->strided);
+    Py_CLEAR(st->torch_empty);
+    Py_CLEAR(st->from_dlpack);
     Py_CLEAR(st->dtype_codes);
     Py_CLEAR(st->parameter_type);
     for (int slot = 0; slot < MP_NUM_SLOTS; slot++)

@@ -36,14 +36,19 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
 
 
-def _env_bytes(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"${name} must be a number of bytes, got {value!r}") from None
+def _arena_bytes(given: Optional[int]) -> int:
+    """The arena size an shm communicator gets: `given`, else $MEGATRON_P2P_SHM_ARENA_BYTES, else
+    the default; an error names where a wrong value came from."""
+    source, value = "arena_bytes", given
+    if given is None:
+        source, env = "$MEGATRON_P2P_SHM_ARENA_BYTES", os.environ.get("MEGATRON_P2P_SHM_ARENA_BYTES")
+        try:
+            value = _C.DEFAULT_ARENA_BYTES if env is None else int(env)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of bytes, got {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _C.MAX_ARENA_BYTES:
+        raise ValueError(f"{source} must be an int in [0, {_C.MAX_ARENA_BYTES}], got {value!r}")
+    return value
 
 
 def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, int, list[int]]:
@@ -136,9 +141,8 @@ def init_communicator(
         raise ValueError(f"lanes must be 1 or 2, got {lanes!r}")
     if not isinstance(eager_threshold, int) or not 0 <= eager_threshold <= _C.MAX_EAGER_THRESHOLD:
         raise ValueError(f"eager_threshold must be an int in [0, {_C.MAX_EAGER_THRESHOLD}], got {eager_threshold!r}")
-    if arena_bytes is not None and (isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int)
-                                    or not 0 <= arena_bytes <= _C.MAX_ARENA_BYTES):
-        raise ValueError(f"arena_bytes must be an int in [0, {_C.MAX_ARENA_BYTES}], got {arena_bytes!r}")
+    if arena_bytes is not None:
+        _arena_bytes(arena_bytes)
     dev = nccl.requested_device(device, backend)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "shm"
@@ -151,10 +155,8 @@ def init_communicator(
         nccl.nccl_version()  # loads libnccl, or says why it cannot
     elif dev.type != "cpu":
         raise ValueError(f"backend 'shm' carries CPU tensors; device {dev} needs backend 'nccl' or 'auto'")
-    elif arena_bytes is None:
-        arena_bytes = _env_bytes("MEGATRON_P2P_SHM_ARENA_BYTES", _C.DEFAULT_ARENA_BYTES)
-        if not 0 <= arena_bytes <= _C.MAX_ARENA_BYTES:
-            raise ValueError(f"$MEGATRON_P2P_SHM_ARENA_BYTES must be in [0, {_C.MAX_ARENA_BYTES}], got {arena_bytes}")
+    else:
+        arena_bytes = _arena_bytes(arena_bytes)
 
     store, me, ranks = _store_and_ranks(group)
     group_rank = ranks.index(me)
