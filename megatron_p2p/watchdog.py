@@ -18,9 +18,15 @@ reported an asynchronous error. When one has, in this order:
    torchrun and "raise" otherwise.
 
 The same thread carries aborts from the peers (AbortRelay.poll) to their communicators.
+
+At interpreter exit the thread is stopped and joined before finalization begins: a daemon thread
+that returns from a store call (torch's bindings release the GIL) while the interpreter
+finalizes is ended by pthread_exit, whose unwinding through the bindings' noexcept destructor
+calls std::terminate, and the rank would end with SIGABRT after its work had succeeded.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -33,6 +39,7 @@ from . import _C, flight_recorder
 ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
 HANDLINGS = ("end", "raise")
 POLL_SECONDS = 0.1
+EXIT_JOIN_SECONDS = 5.0  # bounds the exit on a store call that blocks (one poll takes microseconds)
 EXIT_STATUS = os.EX_SOFTWARE  # 70: what torchrun reports for the rank that ended the job
 
 _log = logging.getLogger(__name__)
@@ -64,6 +71,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._watched: list[_Watched] = []
         self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
 
     def watch(self, comm: "_C.Communicator", publish: Callable[[str], None],
               relayed: Callable[[], Optional[tuple[int, str]]]) -> None:
@@ -77,9 +85,16 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._run, name="megatron_p2p-watchdog", daemon=True)
                 self._thread.start()
 
+    def stop(self) -> None:
+        """Ends the thread and waits for it (bounded): run at interpreter exit, before finalization."""
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(EXIT_JOIN_SECONDS)
+
     def _run(self) -> None:
-        stop = threading.Event()
-        while True:
+        while not self._stopping.is_set():
             with self._lock:
                 self._watched = [w for w in self._watched if (c := w.comm()) is not None and not c.closed]
                 watched = list(self._watched)
@@ -87,9 +102,11 @@ class Watchdog:
                     self._thread = None
                     return
             for w in watched:
+                if self._stopping.is_set():
+                    return
                 self._check(w)
             del watched
-            stop.wait(POLL_SECONDS)
+            self._stopping.wait(POLL_SECONDS)
 
     def _check(self, w: _Watched) -> None:
         comm = w.comm()
@@ -121,6 +138,8 @@ class Watchdog:
 
 
 _watchdog = Watchdog()
+# Registered before communicator.py's atexit close of live communicators, so it runs after it.
+atexit.register(_watchdog.stop)
 
 
 def watch(comm: "_C.Communicator", publish: Callable[[str], None],

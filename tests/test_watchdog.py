@@ -4,11 +4,14 @@ and by default under torchrun the report ends the process so the job is torn dow
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from conftest import run_job
+from conftest import WORKERS, run_job
 from test_nccl_model import FAKE_ENV, fakes_built, run_one  # noqa: F401 - fakes_built is an autouse fixture
 
 SILENT_PEER = {"MPFAKE_NCCL_SILENT_RANK": "1", "MPFAKE_NCCL_SILENT_AFTER": "2"}  # after each lane's warm-up
@@ -55,3 +58,18 @@ def test_a_wrong_handling_value_is_refused_at_creation_naming_the_variable(value
     with pytest.raises(AssertionError, match=f"MEGATRON_P2P_ASYNC_ERROR_HANDLING={value!r}"):
         run_one("nccl_model_watchdog.py", {"timeout": 1.0, "idle": 0.0},
                 env={"MEGATRON_P2P_ASYNC_ERROR_HANDLING": value})
+
+
+@pytest.mark.parametrize("thread", ["watchdog", "bare"])
+def test_a_process_exits_cleanly_while_the_watchdog_polls_the_store(thread):
+    """The watchdog thread is stopped and joined at exit, before finalization: a daemon thread
+    returning from a store call during finalization ends the process with std::terminate (the
+    bare thread, which shows that the case reaches that window)."""
+    done = subprocess.run([sys.executable, str(WORKERS / "watchdog_exit.py"), thread],
+                          capture_output=True, text=True, timeout=60)
+    assert "body done" in done.stdout, done.stdout + done.stderr[-3000:]
+    if thread == "watchdog":
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-3000:])
+    else:
+        assert done.returncode == -signal.SIGABRT and "terminate called" in done.stderr, (done.returncode,
+                                                                                          done.stderr[-3000:])
