@@ -124,14 +124,13 @@ lint: $(DEPS)
 # that it cannot see anyway.
 ENGINE_SOURCES := csrc/shm.c csrc/shm_segment.c csrc/arena.c csrc/shm_deadlock.c csrc/dtype.c csrc/result.c csrc/plan.c
 ENGINE_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -g -Icsrc -pthread
+ENGINE_PROGRAM = mkdir -p $(@D) && gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)
 %/shm_engine_stress: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
-	mkdir -p $(@D)
-	gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)
+	$(ENGINE_PROGRAM)
 
 # tests/test_deadlock.py builds this one: a deadlock cycle's fencing held half-done on purpose.
 %/shm_fence_order: tests/c/shm_fence_order.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
-	mkdir -p $(@D)
-	gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)
+	$(ENGINE_PROGRAM)
 
 build/tsan/shm_engine_stress_tsan: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
 	mkdir -p $(@D)

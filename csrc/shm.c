@@ -843,11 +843,11 @@ static int fail_unserved(shm_t *s, int departed)
                 continue;
             shm_rank *peer = shm_rank_at(&s->v, op->peer);
             uint32_t fence = atomic_load(&peer->fence);
-            if (fence && !fence_valid(s, op->peer, fence))
-                return 1;
-            if (fence && !peer_fence_final(s))
-                return failed;
             if (fence) {
+                if (!fence_valid(s, op->peer, fence))
+                    return 1;
+                if (!peer_fence_final(s))
+                    return failed;
                 snprintf(op->detail, sizeof op->detail,
                          "rank %d, which this op needs, is in a wait-for cycle that can never resolve (the deadlock "
                          "report follows)", op->peer_global);

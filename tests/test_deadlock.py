@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_job
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, run_job
 
 DETECTION_LIMIT = 1.0  # seconds from the cycle forming to the error; the goal is 0.1
 

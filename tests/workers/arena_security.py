@@ -47,10 +47,6 @@ def run_python(uid, source, *args):
     return done.stdout
 
 
-def arenas_of(pid):
-    return shm_names(pid, arenas=True)
-
-
 def observed(mp, torch, store, me, params):
     out = {}
     if me == 0:
@@ -69,7 +65,7 @@ def observed(mp, torch, store, me, params):
                                   arena_bytes=params["arena_bytes"])
     store.set(f"arena-security/pid{me}", str(os.getpid()))
     pids = [int(store.get(f"arena-security/pid{r}")) for r in (0, 1)]
-    out["arenas_after_init"] = [n for pid in pids for n in arenas_of(pid)]
+    out["arenas_after_init"] = [n for pid in pids for n in shm_names(pid, arenas=True)]
     n = mp._C.ARENA_WAIT_BYTES // 4  # its sender waits for the answer, whichever rank posts first
     if me == 0:
         comm.isend(torch.arange(n, dtype=torch.float32), 1).wait()
@@ -98,7 +94,7 @@ def planted(mp, store, me, params):
     out = {"planted": arena.name, "planted_owner": st.st_uid}
     out["create"] = harness.caught(lambda: mp._C.Communicator(
         "shm", rank0["name"], 1, [0, 1], timeout=params["timeout"], arena_bytes=params["arena_bytes"]).close())
-    out["left"] = arenas_of(rank0["pid"])
+    out["left"] = shm_names(rank0["pid"], arenas=True)
     for name in out["left"]:  # the planted object, if creation kept it
         (Path("/dev/shm") / name).unlink(missing_ok=True)
     return out

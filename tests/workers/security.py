@@ -45,10 +45,6 @@ def shm_names(pid: int, arenas: bool = False) -> list[str]:
     return sorted(n for n in names if bool(re.search(r"-a\d+$", n)) == arenas)
 
 
-def segments_of(pid: int) -> list[str]:
-    return shm_names(pid)
-
-
 def find_shm(pid: int, arenas: bool = False) -> Path:
     """Rank 0's segment (or arena), once it has made it."""
     what = "arena" if arenas else "segment"
@@ -106,9 +102,9 @@ def body(params):
                    own_uid=probe(segment, rank0["pid"], rank0["addr"], None))
         if params["other_uid"] is not None:
             out["other_uid"] = probe(segment, rank0["pid"], rank0["addr"], params["other_uid"])
-        out["segment_before_attach"] = segments_of(rank0["pid"])
+        out["segment_before_attach"] = shm_names(rank0["pid"])
         comm = mp._C.Communicator("shm", rank0["name"], 1, [0, 1], timeout=120.0)
-    out["segment_after_init"] = segments_of(json.loads(store.get("security/rank0"))["pid"])
+    out["segment_after_init"] = shm_names(json.loads(store.get("security/rank0"))["pid"])
     out["exchanged_exactly"] = exchange_once(torch, comm)
     comm.close()
     mark_end_of_trace()
