@@ -726,6 +726,17 @@ static void activate(shm_t *s, mp_step *step)
     step->activated = 1;
 }
 
+/* Frees a lane's head step once its ops have all finished: a lane holds only steps with an op
+ * still to finish, which is what a closing rank counts as pending. */
+static void free_head(step_queue *q)
+{
+    mp_step *step = q->head;
+    q->head = step->next;
+    if (!q->head)
+        q->tail = NULL;
+    free(step);
+}
+
 static int progress_lane(shm_t *s, step_queue *q)
 {
     int moved = 0;
@@ -743,10 +754,7 @@ static int progress_lane(shm_t *s, step_queue *q)
         }
         if (step->remaining > 0)
             break;
-        q->head = step->next;
-        if (!q->head)
-            q->tail = NULL;
-        free(step);
+        free_head(q);
         moved = 1;
     }
     return moved;
@@ -803,7 +811,9 @@ static mp_result shm_abort_cause(mp_transport *t, int *rank)
     }
     if (rank)
         *rank = by;
-    uint32_t fence = cause == MP_OK && atomic_load(&h->fenced) ? atomic_load(&my_slot(s)->fence) : 0;
+    /* A fence is a final verdict: an abort that follows it (a rank closing, a peer dying of its
+     * own DeadlockError) does not turn this rank's deadlock into a relayed abort. */
+    uint32_t fence = atomic_load(&h->fenced) ? atomic_load(&my_slot(s)->fence) : 0;
     if (fence) {
         if (!fence_valid(s, t->rank, fence))
             return shm_abort_cause(t, rank);
@@ -867,6 +877,8 @@ static int fail_unserved(shm_t *s, int departed)
             finish(s, step, op, MP_ERR_CLOSED);
             failed = 1;
         }
+        if (step->remaining == 0)
+            free_head(&s->lanes[l]); /* the next step goes on at the next pass */
     }
     return failed;
 }

@@ -2,7 +2,7 @@
 DeadlockError on exactly the ranks of the cycle, within a second, whatever the timeout (60 s
 here), naming every rank and op of the cycle. Ranks that compute, or wait on a busy peer, are
 never reported. One 4-rank job runs every case (tests/workers/deadlock_cases.py); a C program
-(tests/c/shm_fence_order.c) holds a cycle's fencing half-done, which no job can do on purpose."""
+(tests/c/shm_fence_order.c) stages a cycle's fencing by hand, which no job can do on purpose."""
 import subprocess
 from pathlib import Path
 
@@ -88,13 +88,27 @@ def fence_order(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return binary
 
 
+ROUNDS = 20  # each on a new communicator: whether a close finds a failed step still on its lane is timing
+
+
 @pytest.mark.parametrize("case, result", [("member", "deadlock"), ("waiter", "communicator aborted")])
 def test_a_rank_woken_while_its_cycle_is_being_fenced_waits_for_the_verdict(fence_order: Path, case: str,
                                                                            result: str) -> None:
     """A cycle's ranks are fenced one by one. A member that looks between its peer's fence and its
     own is still reported as a member (DeadlockError), never as a rank waiting on one (P2PError);
     a rank left unfenced once the fencing ends is the latter. The C program holds the fencing
-    half-done for 0.5 s, then finishes it with or without rank 1."""
-    proc = subprocess.run([str(fence_order), case], capture_output=True, text=True, timeout=60)
+    half-done for 0.2 s, then finishes it with or without rank 1. Either way rank 1 then closes,
+    its op failed, and that must not abort the communicator: in CI a waiter's close did, and the
+    cycle's members got "closed it with ops pending" instead of their deadlock."""
+    proc = subprocess.run([str(fence_order), case, str(ROUNDS)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"{case}: {result} after "), proc.stdout
+
+
+def test_a_deadlock_verdict_outlives_an_abort_that_follows_it(fence_order: Path) -> None:
+    """Once a rank is fenced as a cycle member, an abort written after the fence (a peer closing
+    with ops pending) still leaves it DeadlockError with its report; the waiter case above is the
+    rank the abort may reach unfenced."""
+    proc = subprocess.run([str(fence_order), "abort_after", str(ROUNDS)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("abort_after: deadlock after "), proc.stdout
