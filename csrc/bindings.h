@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "interrupt.h"
 #include "op.h"
 #include "plan.h"
 #include "trace.h"
@@ -110,6 +111,20 @@ PyObject *mp_tensor_attr_get(mp_state *st, PyObject *obj, mp_tensor_attr attr);
 /* Reads pointer, bytes and dtype of a contiguous tensor on `device` (-1: CPU); on a misuse
  * sets TypeError or ValueError naming `what` and returns -1. */
 int mp_read_tensor(mp_state *st, PyObject *obj, const char *what, int device, mp_buffer *out);
+
+/* A blocking transport call (creation, a host wait) with the GIL released between begin and end;
+ * `interrupt`, handed to the transport, gives Python's signal handlers a turn every 50 ms and
+ * asks `peer_failed` (may be NULL: callable -> None or the failure's text, raised as `error`).
+ * When it stops the call, the transport returns MP_ERR_INTERRUPTED and the exception is set. */
+typedef struct {
+    PyThreadState *saved;
+    double next_check;
+    PyObject *peer_failed;
+    PyObject *error;
+} mp_blocking;
+
+void mp_blocking_begin(mp_blocking *b, mp_interrupt *interrupt);
+void mp_blocking_end(mp_blocking *b);
 
 extern PyType_Spec mp_communicator_spec;
 extern PyType_Spec mp_request_spec;

@@ -79,49 +79,8 @@ static int set_id(CommObject *self, PyObject *unique_id)
     return 0;
 }
 
-/* Creation blocks (GIL released) until every rank has joined. Every SIGNAL_CHECK_PERIOD it takes
- * the GIL back to run Python's signal handlers (Ctrl-C ends a creation whose peers never come)
- * and to ask `peer_failed` whether another member's creation failed (so this one ends too,
- * saying why, instead of at the timeout). */
-#define SIGNAL_CHECK_PERIOD 0.05
-
-typedef struct {
-    PyThreadState *saved;
-    double next_check;
-    PyObject *peer_failed; /* callable -> None or the failure's text; may be NULL */
-    PyObject *error;       /* raised with that text */
-} creation_wait;
-
-static int creation_interrupted(void *arg)
-{
-    creation_wait *c = arg;
-    double now = mp_now();
-    if (now < c->next_check)
-        return 0;
-    c->next_check = now + SIGNAL_CHECK_PERIOD;
-    PyEval_RestoreThread(c->saved);
-    int stop = PyErr_CheckSignals() < 0;
-    if (!stop && c->peer_failed) {
-        PyObject *why = PyObject_CallNoArgs(c->peer_failed);
-        stop = !why || why != Py_None;
-        if (why && why != Py_None)
-            PyErr_SetObject(c->error, why);
-        Py_XDECREF(why);
-    }
-    c->saved = PyEval_SaveThread();
-    return stop;
-}
-
-static void creation_wait_begin(creation_wait *c, mp_interrupt *interrupt)
-{
-    c->next_check = mp_now() + SIGNAL_CHECK_PERIOD;
-    interrupt->raised = creation_interrupted;
-    interrupt->arg = c;
-    c->saved = PyEval_SaveThread();
-}
-
 /* The NCCL transport's parts of construction: the libraries, then the collective creation. */
-static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_priority, creation_wait *wait,
+static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_priority, mp_blocking *wait,
                            mp_transport **t, char *err, size_t errlen, int *unavailable)
 {
     char *ids;
@@ -152,9 +111,9 @@ static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_prior
     };
     mp_interrupt interrupt;
     cfg.interrupt = &interrupt;
-    creation_wait_begin(wait, &interrupt);
+    mp_blocking_begin(wait, &interrupt);
     mp_result r = mp_nccl_open(&cfg, nccl, cuda, t, err, errlen);
-    PyEval_RestoreThread(wait->saved);
+    mp_blocking_end(wait);
     return r;
 }
 
@@ -199,7 +158,7 @@ out:
 }
 
 static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy, const int *pids,
-                          uint64_t arena_bytes, creation_wait *wait, mp_transport **t, char *err, size_t errlen)
+                          uint64_t arena_bytes, mp_blocking *wait, mp_transport **t, char *err, size_t errlen)
 {
     const char *name = PyUnicode_Check(unique_id) ? PyUnicode_AsUTF8(unique_id) : NULL;
     if (!name || strlen(name) >= MP_SHM_NAME_LEN || name[0] != '/' || strchr(name + 1, '/')) {
@@ -222,9 +181,9 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
     };
     mp_interrupt interrupt;
     cfg.interrupt = &interrupt;
-    creation_wait_begin(wait, &interrupt);
+    mp_blocking_begin(wait, &interrupt);
     mp_result r = mp_shm_open(&cfg, t, err, errlen);
-    PyEval_RestoreThread(wait->saved);
+    mp_blocking_end(wait);
     return r;
 }
 
@@ -319,7 +278,9 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     char err[2048] = "";
     int unavailable = 0;
     mp_transport *t = NULL;
-    creation_wait wait = {.peer_failed = peer_failed != Py_None ? peer_failed : NULL, .error = st->P2PError};
+    /* Creation blocks until every rank has joined: Ctrl-C ends one whose peers never come, and
+     * a member whose own creation failed ends it too, saying why, instead of at the timeout. */
+    mp_blocking wait = {.peer_failed = peer_failed != Py_None ? peer_failed : NULL, .error = st->P2PError};
     mp_result r = is_nccl ? open_nccl(self, unique_id, high_priority, &wait, &t, err, sizeof err, &unavailable)
                 : is_null ? mp_null_open(group_rank, self->size, lanes, &t)
                           : open_shm(self, unique_id, single_copy, pids, arena_bytes, &wait, &t, err, sizeof err);

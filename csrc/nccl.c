@@ -636,7 +636,7 @@ static void nccl_progress(mp_transport *t)
     pthread_mutex_unlock(&n->lock);
 }
 
-static mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline)
+static mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline, const mp_interrupt *interrupt)
 {
     nccl_t *n = (nccl_t *)t;
     for (unsigned polls = 0;; polls++) {
@@ -652,6 +652,8 @@ static mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline)
             return MP_OK;
         if (mp_now() > deadline)
             return MP_ERR_TIMEOUT;
+        if (mp_interrupted(interrupt))
+            return MP_ERR_INTERRUPTED;
         pause_polling(polls);
     }
 }

@@ -26,9 +26,9 @@ static mp_result null_post(mp_transport *t, mp_step *step)
     return MP_OK;
 }
 
-static mp_result null_wait(mp_transport *t, mp_op *op, double deadline)
+static mp_result null_wait(mp_transport *t, mp_op *op, double deadline, const mp_interrupt *interrupt)
 {
-    (void)t, (void)op, (void)deadline; /* every op is done once posted */
+    (void)t, (void)op, (void)deadline, (void)interrupt; /* every op is done once posted */
     return MP_OK;
 }
 

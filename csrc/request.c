@@ -8,8 +8,6 @@
 #include "dtype.h"
 #include "plan.h"
 
-#define SIGNAL_PERIOD 0.05 /* seconds a blocked wait goes without running Python's signal handlers */
-
 RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffer *buf)
 {
     /* Megatron's deallocate_output_tensor swaps `out.data` while its send may be in flight
@@ -102,25 +100,17 @@ int mp_request_complete(RequestObject *req, double timeout)
         if (timeout < 0)
             timeout = comm->timeout;
         double start = mp_now(), deadline = start + timeout;
-        mp_result r = MP_OK;
-        /* In slices, so that Python signal handlers run while a wait blocks (a SIGUSR1 trace
-         * dump, Ctrl-C); an exception from one leaves the op pending, for a later wait. */
-        while (!mp_op_done(op)) {
-            mp_transport *t = comm->transport; /* non-NULL while the op is pending: closing finishes it */
-            double slice = deadline;
-            if (slice > mp_now() + SIGNAL_PERIOD)
-                slice = mp_now() + SIGNAL_PERIOD;
-            Py_BEGIN_ALLOW_THREADS
-            r = t->ops->wait(t, op, slice);
-            Py_END_ALLOW_THREADS
-            if (r != MP_ERR_TIMEOUT || mp_now() >= deadline)
-                break;
-            if (PyErr_CheckSignals() < 0) {
-                comm->wait_seconds += mp_now() - start;
-                return -1;
-            }
-        }
+        mp_transport *t = comm->transport; /* non-NULL while the op is pending: closing finishes it */
+        /* Python's signal handlers run while it blocks (a SIGUSR1 trace dump, Ctrl-C); an
+         * exception from one leaves the op pending, for a later wait. */
+        mp_blocking blocking = {0};
+        mp_interrupt interrupt;
+        mp_blocking_begin(&blocking, &interrupt);
+        mp_result r = t->ops->wait(t, op, deadline, &interrupt);
+        mp_blocking_end(&blocking);
         comm->wait_seconds += mp_now() - start;
+        if (r == MP_ERR_INTERRUPTED)
+            return -1;
         if (r == MP_ERR_TIMEOUT && !mp_op_done(op)) {
             PyObject *report = mp_comm_pending_report(comm);
             PyObject *msg = NULL;

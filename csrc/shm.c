@@ -1210,7 +1210,7 @@ static void watch_round(shm_t *s, const mp_op *op, shm_cycle **seen)
     *seen = cycle;
 }
 
-static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)
+static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline, const mp_interrupt *interrupt)
 {
     shm_t *s = as_shm(t);
     drive(s, op, deadline);
@@ -1224,6 +1224,10 @@ static mp_result shm_wait(mp_transport *t, mp_op *op, double deadline)
         double now = mp_now();
         if (now >= deadline) {
             r = MP_ERR_TIMEOUT;
+            break;
+        }
+        if (mp_interrupted(interrupt)) {
+            r = MP_ERR_INTERRUPTED;
             break;
         }
         if (now >= next_round) {

@@ -6,6 +6,7 @@
 
 #include <stddef.h>
 
+#include "interrupt.h"
 #include "op.h"
 #include "result.h"
 
@@ -16,8 +17,11 @@ typedef struct {
     /* Takes ownership of `step` (from malloc); its ops are left QUEUED and reach DONE later. Fails only when
      * the communicator is aborted or closed (nothing is posted then). */
     mp_result (*post)(mp_transport *t, mp_step *step);
-    /* Blocks until `op` is DONE or `deadline` (mp_now() seconds) passes: MP_ERR_TIMEOUT. */
-    mp_result (*wait)(mp_transport *t, mp_op *op, double deadline);
+    /* Blocks until `op` is DONE, or `deadline` (mp_now() seconds) passes: MP_ERR_TIMEOUT, or
+     * `interrupt` (may be NULL), asked at least every 50 ms, says stop: MP_ERR_INTERRUPTED, the op
+     * still pending. One call is one wait: what the transport learns while blocked (a deadlock
+     * search's rounds) lasts for all of it. */
+    mp_result (*wait)(mp_transport *t, mp_op *op, double deadline, const mp_interrupt *interrupt);
     /* Fails every pending op here and at every peer; the first cause recorded wins. `why` (may be
      * NULL): the aborting rank's reason, which the failures quote. */
     void (*abort)(mp_transport *t, mp_result cause, int rank, const char *why);

@@ -48,6 +48,17 @@ def test_three_rank_cycle_names_every_rank_and_op(cases):
         assert "has posted the matching receive, but it is queued on lane 0" in msg
 
 
+def test_a_cycle_whose_ranks_entered_their_waits_out_of_step_is_reported_within_a_second(cases):
+    """Each rank confirms a cycle in two watch rounds of one wait. Rank 1 starts waiting 25 ms
+    after rank 0: when a wait was cut into 50 ms slices for Python's signal handlers, each slice
+    began a new search and left the wait between slices, so ranks out of step never saw each
+    other blocked twice in a row (found after seconds, or never, in about 1 round in 60)."""
+    for rank in (0, 1):
+        res = cases[rank]["staggered"]
+        assert res["type"] == "DeadlockError" and res["elapsed"] < DETECTION_LIMIT, (rank, res)
+        assert "deadlock: ranks 0 -> 1 -> 0" in res["msg"], res["msg"]
+
+
 def test_cycle_through_lane_order_is_reported(cases):
     """Each rank waits on a send queued on lane 1 behind a receive whose sender is queued the same
     way: no rank lacks a posted op, yet lane order makes it a cycle."""

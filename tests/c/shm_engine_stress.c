@@ -383,9 +383,9 @@ static void complete_oldest(lane_ctx *c)
     for (int i = 0; i < p->plan.nops && !p->refused; i++) {
         const plan_op *po = &p->plan.ops[i];
         mp_op *op = &p->ops[i];
-        if (c->t->ops->wait(c->t, op, mp_now() + c->cfg->timeout) != MP_OK) {
+        if (c->t->ops->wait(c->t, op, mp_now() + c->cfg->timeout, NULL) != MP_OK) {
             report(c, p, op, "is still pending at the timeout");
-            c->t->ops->wait(c->t, op, mp_now() + c->cfg->timeout); /* the abort finishes it */
+            c->t->ops->wait(c->t, op, mp_now() + c->cfg->timeout, NULL); /* the abort finishes it */
             continue;
         }
         mp_result expect = expected_result(c->cfg, po);

@@ -64,7 +64,7 @@ typedef struct {
 static void *wait_main(void *arg)
 {
     waiter_ctx *w = arg;
-    w->r = w->t->ops->wait(w->t, w->op, mp_now() + 10.0);
+    w->r = w->t->ops->wait(w->t, w->op, mp_now() + 10.0, NULL);
     return NULL;
 }
 

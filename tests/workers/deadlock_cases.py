@@ -3,6 +3,8 @@
   partial      ranks 0 and 1 both send first to each other (a 2-rank cycle) while ranks 2 and 3
                exchange with each other; the timeout is 60 s
   three        ranks 0, 1, 2 each send to the next before receiving (a 3-rank cycle)
+  staggered    a 2-rank cycle whose rank 1 enters its wait 25 ms after rank 0, out of step with
+               its watch rounds
   lane_order   two ranks, each waiting on a send queued on its lane behind a receive whose sender
                is queued the same way (a cycle through lane order)
   waiter       ranks 0 and 1 in a cycle; rank 2 waits on a receive from rank 0
@@ -16,6 +18,7 @@ import harness
 from harness import caught
 
 TIMEOUT = 60.0
+STAGGER = 0.025  # between the two 20 ms watch rounds that confirm a cycle, and not a multiple of them
 
 
 def wait_all(reqs):
@@ -47,6 +50,14 @@ def partial(torch, comm, me):
 
 def three(torch, comm, me):
     return caught(lambda: send_first(torch, comm, comm.next_rank, comm.prev_rank))
+
+
+def staggered(torch, comm, me):
+    def body():
+        if me == 1:
+            time.sleep(STAGGER)
+        send_first(torch, comm, 1 - me, 1 - me)
+    return caught(body)
 
 
 def lane_order(torch, comm, me):
@@ -89,7 +100,8 @@ def busy_chain(torch, comm, me):
 
 
 # name: (the global ranks of its communicator, the section)
-SECTIONS = {"partial": ((0, 1, 2, 3), partial), "three": ((0, 1, 2), three), "lane_order": ((0, 1), lane_order),
+SECTIONS = {"partial": ((0, 1, 2, 3), partial), "three": ((0, 1, 2), three),
+            "staggered": ((0, 1), staggered), "lane_order": ((0, 1), lane_order),
             "waiter": ((0, 1, 2), waiter), "compute": ((0, 1), compute), "busy_chain": ((0, 1, 2), busy_chain)}
 
 
