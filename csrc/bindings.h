@@ -61,6 +61,11 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     mp_transport *transport; /* NULL once closed */
+    /* Transport calls running with the GIL released (posts, waits). A close meanwhile, from
+     * another thread or from a signal handler that a wait runs, aborts the transport and leaves
+     * it in `closing` for the last of them to destroy. */
+    int busy;
+    mp_transport *closing;
     int group_rank;
     int size;
     int nlanes;
@@ -143,6 +148,11 @@ void mp_comm_prune(CommObject *comm);
 int mp_comm_stream(CommObject *comm, void **stream);
 /* Aborts after a local timeout and tells the other ranks (on_abort). */
 void mp_comm_abort_for_timeout(CommObject *comm, PyObject *message);
+/* Around a transport call made with the GIL released: returns the transport to call (NULL once
+ * closed and destroyed), and ends the call, destroying the transport if it was closed meanwhile
+ * and this was the last call inside it. */
+mp_transport *mp_comm_enter(CommObject *comm);
+void mp_comm_leave(CommObject *comm);
 /* Hands the exception being raised to the communicator's on_error hook, if any. */
 void mp_comm_error_hook(CommObject *comm);
 /* Marks the op's flight-recorder entry: waited on, or finished with its result. */

@@ -309,6 +309,33 @@ static void comm_shutdown(CommObject *self)
     if (!t)
         return;
     self->transport = NULL;
+    if (self->busy) {
+        /* A call is inside the transport: its op is pending, so the peers fail as a destroy with
+         * ops pending would make them; the call ends and the last to leave destroys it. */
+        t->ops->abort(t, MP_ERR_CLOSED, t->rank, NULL);
+        self->closing = t;
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    t->ops->destroy(t);
+    Py_END_ALLOW_THREADS
+    mp_comm_prune(self);
+}
+
+mp_transport *mp_comm_enter(CommObject *self)
+{
+    mp_transport *t = self->transport ? self->transport : self->closing; /* aborted: its ops end soon */
+    if (t)
+        self->busy++;
+    return t;
+}
+
+void mp_comm_leave(CommObject *self)
+{
+    if (--self->busy || !self->closing)
+        return;
+    mp_transport *t = self->closing;
+    self->closing = NULL;
     Py_BEGIN_ALLOW_THREADS
     t->ops->destroy(t);
     Py_END_ALLOW_THREADS
@@ -671,17 +698,18 @@ static int post_steps(CommObject *self, const step_plan *plans, int nsteps, cons
     int made = 0, nreqs = 0;
     while (made < nsteps && (steps[made] = make_step(self, &plans[made], reqs + nreqs)))
         nreqs += plans[made++].nops;
-    mp_transport *t = self->transport;
     mp_result r = MP_OK;
     int posted = 0; /* steps the transport took */
     if (made == nsteps) { /* numbered only once all can be posted: the sequences never skip */
         double now = mp_wall_time();
         for (int i = 0; i < nsteps; i++)
             number_step(self, &plans[i], steps[i], call_name, now);
+        mp_transport *t = mp_comm_enter(self);
         Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
         while (posted < nsteps && (r = t->ops->post(t, steps[posted])) == MP_OK)
             posted++;
         Py_END_ALLOW_THREADS
+        mp_comm_leave(self);
     }
     for (int i = posted; i < made; i++)
         free(steps[i]);
@@ -707,7 +735,8 @@ static int post_steps(CommObject *self, const step_plan *plans, int nsteps, cons
     /* Posting itself may have aborted (a launch that failed, a debug-matching disagreement): the
      * peers must hear of it, or their ops wait for ours until their timeout. */
     int cause_rank;
-    for (int i = 0; i < kept; i++) {
+    mp_transport *t = self->transport; /* NULL: closed by another thread while posting */
+    for (int i = 0; t && i < kept; i++) {
         const mp_op *op = &reqs[i]->op;
         if (mp_op_done(op) && op->result != MP_OK) {
             if (t->ops->abort_cause(t, &cause_rank) != MP_OK && cause_rank == self->group_rank) {

@@ -8,6 +8,8 @@ object.
   create       rank 0 creates a two-rank communicator whose rank 1 never comes
   attach       rank 1 waits for a segment whose rank 0 never creates it
   store        init_communicator as rank 1 of 2, waiting in the store for rank 0, who never comes
+  close        wait() as in `wait`, with a SIGINT handler that closes the communicator and returns
+               (a shutdown handler): the wait, still inside the transport, ends with P2PError
 """
 import datetime
 import json
@@ -76,6 +78,24 @@ def blocked_receive(how: str) -> dict:
     return out
 
 
+def closed_by_handler() -> dict:
+    threads_before = len(os.listdir("/proc/self/task"))
+    rank0, rank1 = two_ranks_in_threads()
+    req = rank0.irecv(torch.zeros(1024), 1)
+    signal.signal(signal.SIGINT, lambda *_: rank0.close())
+    out = interrupted(req.wait)
+    out["pending_after"] = not req.is_completed()
+    try:
+        rank0.isend(torch.zeros(1), 1)
+        out["post_after"] = "accepted"
+    except mp.P2PError as e:
+        out["post_after"] = str(e)
+    rank1.close()
+    time.sleep(0.1)  # the signal's timer thread exits
+    out["threads_left"] = len(os.listdir("/proc/self/task")) - threads_before  # each transport's progress thread
+    return out
+
+
 def creation(role: str) -> dict:
     name = _C.new_unique_id()
     rank = 0 if role == "create" else 1
@@ -102,6 +122,8 @@ def main() -> None:
         out = blocked_receive(scenario)
     elif scenario in ("create", "attach"):
         out = creation(scenario)
+    elif scenario == "close":
+        out = closed_by_handler()
     else:
         out = store_wait()
     print(json.dumps(out), flush=True)
