@@ -704,12 +704,16 @@ static int post_steps(CommObject *self, const step_plan *plans, int nsteps, cons
         double now = mp_wall_time();
         for (int i = 0; i < nsteps; i++)
             number_step(self, &plans[i], steps[i], call_name, now);
-        mp_transport *t = mp_comm_enter(self);
-        Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
-        while (posted < nsteps && (r = t->ops->post(t, steps[posted])) == MP_OK)
-            posted++;
-        Py_END_ALLOW_THREADS
-        mp_comm_leave(self);
+        mp_transport *t = mp_comm_enter(self); /* open: the callers checked */
+        if (!t) {
+            r = MP_ERR_CLOSED;
+        } else {
+            Py_BEGIN_ALLOW_THREADS /* posting may progress (and copy) right away */
+            while (posted < nsteps && (r = t->ops->post(t, steps[posted])) == MP_OK)
+                posted++;
+            Py_END_ALLOW_THREADS
+            mp_comm_leave(self);
+        }
     }
     for (int i = posted; i < made; i++)
         free(steps[i]);

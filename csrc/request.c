@@ -101,14 +101,17 @@ int mp_request_complete(RequestObject *req, double timeout)
             timeout = comm->timeout;
         double start = mp_now(), deadline = start + timeout;
         mp_transport *t = mp_comm_enter(comm); /* non-NULL while the op is pending: destroying finishes it */
-        /* Python's signal handlers run while it blocks (a SIGUSR1 trace dump, Ctrl-C); an
-         * exception from one leaves the op pending, for a later wait. */
-        mp_blocking blocking = {0};
-        mp_interrupt interrupt;
-        mp_blocking_begin(&blocking, &interrupt);
-        mp_result r = t->ops->wait(t, op, deadline, &interrupt);
-        mp_blocking_end(&blocking);
-        mp_comm_leave(comm);
+        mp_result r = MP_OK;
+        if (t) {
+            /* Python's signal handlers run while it blocks (a SIGUSR1 trace dump, Ctrl-C); an
+             * exception from one leaves the op pending, for a later wait. */
+            mp_blocking blocking = {0};
+            mp_interrupt interrupt;
+            mp_blocking_begin(&blocking, &interrupt);
+            r = t->ops->wait(t, op, deadline, &interrupt);
+            mp_blocking_end(&blocking);
+            mp_comm_leave(comm);
+        }
         comm->wait_seconds += mp_now() - start;
         if (r == MP_ERR_INTERRUPTED)
             return -1;
