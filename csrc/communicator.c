@@ -301,6 +301,15 @@ fail:
     return NULL;
 }
 
+/* The one release path of a transport, once no call is inside it. */
+static void destroy_transport(CommObject *self, mp_transport *t)
+{
+    Py_BEGIN_ALLOW_THREADS
+    t->ops->destroy(t);
+    Py_END_ALLOW_THREADS
+    mp_comm_prune(self);
+}
+
 /* Stops the transport; it finishes every op still pending (as closed), so no Request is left
  * pointing into a dead transport. */
 static void comm_shutdown(CommObject *self)
@@ -316,10 +325,7 @@ static void comm_shutdown(CommObject *self)
         self->closing = t;
         return;
     }
-    Py_BEGIN_ALLOW_THREADS
-    t->ops->destroy(t);
-    Py_END_ALLOW_THREADS
-    mp_comm_prune(self);
+    destroy_transport(self, t);
 }
 
 mp_transport *mp_comm_enter(CommObject *self)
@@ -336,10 +342,7 @@ void mp_comm_leave(CommObject *self)
         return;
     mp_transport *t = self->closing;
     self->closing = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    t->ops->destroy(t);
-    Py_END_ALLOW_THREADS
-    mp_comm_prune(self);
+    destroy_transport(self, t);
 }
 
 static void comm_dealloc(CommObject *self)

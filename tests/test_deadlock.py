@@ -102,6 +102,13 @@ def fence_order(tmp_path_factory: pytest.TempPathFactory) -> Path:
 ROUNDS = 20  # each on a new communicator: whether a close finds a failed step still on its lane is timing
 
 
+def fence_order_says(binary: Path, case: str) -> str:
+    """The program's line for `case` over ROUNDS rounds, once it exited 0 (every round as expected)."""
+    proc = subprocess.run([str(binary), case, str(ROUNDS)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.parametrize("case, result", [("member", "deadlock"), ("waiter", "communicator aborted")])
 def test_a_rank_woken_while_its_cycle_is_being_fenced_waits_for_the_verdict(fence_order: Path, case: str,
                                                                            result: str) -> None:
@@ -111,15 +118,13 @@ def test_a_rank_woken_while_its_cycle_is_being_fenced_waits_for_the_verdict(fenc
     half-done for 0.2 s, then finishes it with or without rank 1. Either way rank 1 then closes,
     its op failed, and that must not abort the communicator: in CI a waiter's close did, and the
     cycle's members got "closed it with ops pending" instead of their deadlock."""
-    proc = subprocess.run([str(fence_order), case, str(ROUNDS)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith(f"{case}: {result} after "), proc.stdout
+    said = fence_order_says(fence_order, case)
+    assert said.startswith(f"{case}: {result} after "), said
 
 
 def test_a_deadlock_verdict_outlives_an_abort_that_follows_it(fence_order: Path) -> None:
     """Once a rank is fenced as a cycle member, an abort written after the fence (a peer closing
     with ops pending) still leaves it DeadlockError with its report; the waiter case above is the
     rank the abort may reach unfenced."""
-    proc = subprocess.run([str(fence_order), "abort_after", str(ROUNDS)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("abort_after: deadlock after "), proc.stdout
+    said = fence_order_says(fence_order, "abort_after")
+    assert said.startswith("abort_after: deadlock after "), said
