@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
 DEPS := $(VENV)/.deps-installed
 EXT := build/.extension-installed
-SOURCES := $(wildcard csrc/*.c csrc/*.h) setup.py
+SOURCES := $(wildcard csrc/*/*.c csrc/*/*.h) setup.py
 TEST_JOBS ?=
 
 .PHONY: all build fakes demo test verify soak fuzz sanitize lint tsan bench bench-quick clean
@@ -37,6 +37,14 @@ $(EXT): $(DEPS) $(SOURCES)
 	for so in build/lib/megatron_p2p/_C*.so; do install -m 755 "$$so" megatron_p2p/; done
 	touch $@
 
+# megatron_p2p._testing, the hooks only the tests and benchmarks use (MEGATRON_P2P_TESTING adds it
+# to setup.py's extensions; a plain `pip install .` builds _C alone).
+TESTING := build/.testing-installed
+$(TESTING): $(EXT)
+	MEGATRON_P2P_TESTING=1 $(PY) setup.py --quiet build_ext --build-temp build/temp --build-lib build/lib
+	for so in build/lib/megatron_p2p/_testing*.so; do install -m 755 "$$so" megatron_p2p/; done
+	touch $@
+
 build: $(EXT)
 
 # A model of libcuda and libnccl (tests/fakes/) that runs the NCCL backend on CPU in the tests;
@@ -57,13 +65,13 @@ build/fakes/libnccl.so.2: tests/fakes/libnccl.c tests/fakes/mpfake.h build/fakes
 demo: build
 	$(TORCHRUN) --standalone --nproc-per-node 4 -m megatron_p2p.demo
 
-test: build fakes
+test: $(TESTING) fakes
 	$(PY) -m pytest -q $(TEST_JOBS)
 
 # Deadlock freedom, the long way: 1000 random programs through the checker (each against an
 # exhaustive search where small enough), 100 of them replayed on the shm transport, and the full
 # grid of megatron-core's schedules (pp 1-64), under 10 minutes of it on 2 cores.
-verify: build fakes
+verify: $(TESTING) fakes
 	MEGATRON_P2P_VERIFY_PROGRAMS=1000 MEGATRON_P2P_VERIFY_REPLAYS=100 $(PY) -m pytest -q tests/test_check.py tests/test_replay.py
 	$(PY) -m megatron_p2p.check --grid
 
@@ -72,7 +80,7 @@ verify: build fakes
 # communicators created and closed; memory, descriptors, threads and segments must stay flat.
 # Prints its figures; about 5 minutes on 2 cores.
 SOAK_RANKS ?= 3
-soak: build
+soak: $(TESTING)
 	MEGATRON_P2P_SOAK_EXCHANGES=100000 MEGATRON_P2P_SOAK_COMMUNICATORS=200 MEGATRON_P2P_SOAK_RANKS=$(SOAK_RANKS) \
 	$(PY) -m pytest -q -s -p no:cacheprovider tests/test_soak.py
 
@@ -80,7 +88,7 @@ soak: build
 # the seed corpus in tests/fuzz/corpus/; what they add goes to build/fuzz/, crashes to build/fuzz/.
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := program_file plan
-fuzz: build
+fuzz: $(TESTING)
 	for t in $(FUZZ_TARGETS); do \
 	  mkdir -p build/fuzz/$$t && $(PY) tests/fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 	    -artifact_prefix=build/fuzz/$$t- build/fuzz/$$t tests/fuzz/corpus/$$t || exit 1; \
@@ -93,7 +101,7 @@ fuzz: build
 SANITIZE_TESTS ?= tests # or some of its files: make sanitize SANITIZE_TESTS="tests/test_matching.py"
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so.6)
 sanitize: $(DEPS) fakes
-	MEGATRON_P2P_SANITIZE=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
+	MEGATRON_P2P_SANITIZE=1 MEGATRON_P2P_TESTING=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
 	cp megatron_p2p/*.py build/asan/megatron_p2p/
 	cp -r megatron_p2p/programs build/asan/megatron_p2p/
 	# From build/asan, so that `python -m` (which puts the working directory first on the path)
@@ -113,7 +121,7 @@ CPPCHECK_FLAGS := --quiet --std=c11 --library=posix --library=gnu --library=pyth
 lint: $(DEPS)
 	command -v cppcheck >/dev/null || (apt-get update && apt-get install -y cppcheck)
 	include="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" && \
-	for src in csrc/*.c; do gcc $(LINT_CFLAGS) -I"$$include" -c $$src -o /dev/null || exit 1; done
+	for src in csrc/*/*.c; do gcc $(LINT_CFLAGS) -Icsrc -I"$$include" -c $$src -o /dev/null || exit 1; done
 	cppcheck $(CPPCHECK_FLAGS) csrc
 
 # The shm engine without Python (tests/c/shm_engine_stress.c), under ThreadSanitizer: 4 ranks as
@@ -122,17 +130,18 @@ lint: $(DEPS)
 # tests/test_shm_engine_c.py builds the plain one (any directory/shm_engine_stress) for `make test`.
 # -Wno-tsan: TSAN does not model the seqlock's fences, which pair with readers in other processes
 # that it cannot see anyway.
-ENGINE_SOURCES := csrc/shm.c csrc/shm_segment.c csrc/arena.c csrc/shm_deadlock.c csrc/dtype.c csrc/result.c csrc/plan.c
+# The shm transport and the core it needs: no Python.
+ENGINE_SOURCES := $(wildcard csrc/shm/*.c) csrc/core/dtype.c csrc/core/result.c csrc/core/plan.c
 ENGINE_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -g -Icsrc -pthread
 ENGINE_PROGRAM = mkdir -p $(@D) && gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)
-%/shm_engine_stress: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
+%/shm_engine_stress: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*/*.h)
 	$(ENGINE_PROGRAM)
 
 # tests/test_deadlock.py builds this one: a deadlock cycle's fencing held half-done on purpose.
-%/shm_fence_order: tests/c/shm_fence_order.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
+%/shm_fence_order: tests/c/shm_fence_order.c $(ENGINE_SOURCES) $(wildcard csrc/*/*.h)
 	$(ENGINE_PROGRAM)
 
-build/tsan/shm_engine_stress_tsan: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*.h)
+build/tsan/shm_engine_stress_tsan: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*/*.h)
 	mkdir -p $(@D)
 	gcc $(ENGINE_CFLAGS) -O1 -fsanitize=thread -Wno-tsan -o $@ $< $(ENGINE_SOURCES)
 
@@ -142,10 +151,10 @@ tsan: build/tsan/shm_engine_stress_tsan
 
 # The benchmark suite (benchmarks/run.py): torchrun jobs with wall-clock limits, then one JSON,
 # PNG plots, a table and a goal line per goal. `bench` also rewrites benchmarks/RESULTS.md.
-bench: build
+bench: $(TESTING)
 	$(PY) benchmarks/run.py --results-md benchmarks/RESULTS.md
 
-bench-quick: build
+bench-quick: $(TESTING)
 	$(PY) benchmarks/run.py --quick
 
 clean:

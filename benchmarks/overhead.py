@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_p2p import _C
+from megatron_p2p import _testing
 
 from timing import human_bytes, median, say
 
@@ -76,7 +76,7 @@ def run(comm, group, cfg: dict[str, Any]) -> dict[str, Any]:
 def _binding_layer(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], torch_batch_us: float) -> dict[str, Any]:
     """CPU and wall microseconds per four-op exchange on the null transport (rank 0 of a group
     of 2 that no other process joins), and its ratio to torch's batch_isend_irecv posting."""
-    comm = _C.Communicator("null", "overhead-binding-layer", 0, [0, 1])
+    comm = _testing.null_communicator("overhead-binding-layer", 0, [0, 1])
     exchange = comm.exchange
     cpu: list[float] = []
     wall: list[float] = []

@@ -7,7 +7,7 @@
 Generators build programs with `ProgramBuilder`, which keeps them packed (one int64 stream per
 rank) so that a schedule of millions of ops never becomes Python objects; `Program.ranks` is built
 from the packed form only when someone reads it. The packed form is what `megatron_p2p.simulate`
-hands to the C simulator; the layout is documented in csrc/simulate.h.
+hands to the C simulator; the layout is documented in csrc/core/simulate.h.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ ITEM_SIZES = {name: getattr(torch, name).itemsize for name in _C.DTYPE_NAMES}
 MAX_BYTES = 1 << 62
 MAX_SIZE = 1 << 16
 
-# Packed record tags and the flag bits of a call record (csrc/simulate.h).
+# Packed record tags and the flag bits of a call record (csrc/core/simulate.h).
 _TAG_STEPS, _TAG_EXCHANGE = 0, 1
 _FLAG_WAIT = 1
 _MODE_SHIFT = 1
@@ -428,7 +428,7 @@ class Program:
         return bases[index]
 
     def packed(self) -> tuple[int, int, int, tuple[bytes, ...]]:
-        """(size, lanes, eager_threshold, streams): what the C simulator takes (csrc/simulate.h)."""
+        """(size, lanes, eager_threshold, streams): what the C simulator takes (csrc/core/simulate.h)."""
         return self.size, self.lanes, self.eager_threshold, self._streams
 
     def label(self, rank: int, index: int) -> str:

@@ -5,7 +5,7 @@
     print(verdict.summary())   # "OK in 12 rounds", "DEADLOCK: ranks 0 -> 1 -> 2 -> 3 -> 0", ...
     print(verdict.detail())    # the cycle, one line per rank, or the disagreeing pair
 
-The run itself is C (`_C.simulate`, csrc/simulate.c): exchange calls are expanded by the
+The run itself is C (`_C.simulate`, csrc/core/simulate.c): exchange calls are expanded by the
 runtime's own plan, sends wait for their receive unless at or under the eager threshold, and
 each channel has the shm transport's 8 descriptor slots. Semantics: docs/program-format.md.
 """
@@ -18,7 +18,7 @@ from . import _C
 from .program import KINDS, SLOTS, Op, Program
 
 VERDICTS = ("ok", "deadlock", "mismatch")
-_PARTNER_QUEUED = 1  # csrc/simulate.h: MP_SIM_PARTNER_QUEUED
+_PARTNER_QUEUED = 1  # csrc/core/simulate.h: MP_SIM_PARTNER_QUEUED
 
 
 @dataclass(frozen=True)

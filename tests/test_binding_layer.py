@@ -1,4 +1,4 @@
-"""The binding layer alone, on the benchmark-only "null" transport: every op it is given is done
+"""The binding layer alone, on the benchmark-only "null" transport (megatron_p2p._testing): every op it is given is done
 when posting returns, with no copy and no peer, so one process can be rank 0 of a group of 2.
 The layer itself (argument checks, tensor reads, the plan, Requests) runs as it does for shm.
 Tensors of exactly torch.Tensor or torch.nn.Parameter are read through torch's own descriptors;
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatron_p2p
-from megatron_p2p import _C
+from megatron_p2p import _testing
 from megatron_p2p.communicator import BACKENDS
 
 SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
@@ -17,7 +17,7 @@ SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
 
 @pytest.fixture
 def comm():
-    c = _C.Communicator("null", "binding-layer-test", 0, [0, 1], timeout=10.0)
+    c = _testing.null_communicator("binding-layer-test", 0, [0, 1], timeout=10.0)
     yield c
     c.close()
 

@@ -25,7 +25,7 @@ def compile_check(abi_header_dir: Path, out: Path) -> subprocess.CompletedProces
 
 
 def test_nccl_abi_header_matches_the_real_nccl_h(tmp_path):
-    built = compile_check(ROOT / "csrc", tmp_path / "check")
+    built = compile_check(ROOT / "csrc" / "nccl", tmp_path / "check")
     assert built.returncode == 0, built.stderr
     ran = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -44,7 +44,7 @@ def test_nccl_abi_header_matches_the_real_nccl_h(tmp_path):
     ids=["result code", "datatype", "config layout", "prototype"],
 )
 def test_a_wrong_abi_value_fails_the_check(tmp_path, wrong):
-    header = (ROOT / "csrc" / "nccl_abi.h").read_text()
+    header = (ROOT / "csrc" / "nccl" / "nccl_abi.h").read_text()
     assert wrong[0] in header
     (tmp_path / "nccl_abi.h").write_text(header.replace(wrong[0], wrong[1]))
     built = compile_check(tmp_path, tmp_path / "check")

@@ -1,4 +1,4 @@
-"""The NCCL backend (csrc/nccl.c and its Python side), run on CPU over the fake libcuda and
+"""The NCCL backend (csrc/nccl/ and its Python side), run on CPU over the fake libcuda and
 libnccl of tests/fakes/: the loader takes them through MEGATRON_P2P_NCCL_LIBRARY and
 MEGATRON_P2P_CUDA_LIBRARY, and the real transport code moves exact bytes, reports a mismatch,
 times out on a peer that never posts, and gets through every ncclInProgress answer."""

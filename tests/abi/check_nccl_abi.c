@@ -1,5 +1,5 @@
 /* Compiled against the real nccl.h by tests/test_nccl_abi.py: every value, size, field offset
- * and prototype that csrc/nccl_abi.h declares must equal NCCL's, or this fails to compile. */
+ * and prototype that csrc/nccl/nccl_abi.h declares must equal NCCL's, or this fails to compile. */
 #include <assert.h>
 #include <stddef.h>
 #include <stdio.h>

@@ -25,10 +25,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "clock.h"
-#include "dtype.h"
-#include "shm.h"
-#include "shm_segment.h"
+#include "core/clock.h"
+#include "core/dtype.h"
+#include "shm/shm_transport.h"
+#include "shm/segment.h"
 
 #define NLANES 2
 #define MAX_RANKS 8

@@ -22,10 +22,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "clock.h"
-#include "dtype.h"
-#include "shm.h"
-#include "shm_segment.h"
+#include "core/clock.h"
+#include "core/dtype.h"
+#include "shm/shm_transport.h"
+#include "shm/segment.h"
 
 #define HELD_S 0.2 /* how long the fencing stays half-done: ten of rank 1's watch rounds */
 

@@ -1,4 +1,4 @@
-"""atheris target: the plan of one exchange (csrc/plan.c, through _C.plan). Any mode, lane
+"""atheris target: the plan of one exchange (csrc/core/plan.c, through _C.plan). Any mode, lane
 count, rank, op names and self flags: a ValueError for a name or mode it does not know, else a
 plan where every op posted appears once, on its own lane, a self send shares its step with its
 receive, and batched mode issues one step per lane. Anything else is a finding.

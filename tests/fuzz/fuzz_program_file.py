@@ -1,5 +1,5 @@
 """atheris target: the program-file parser (megatron_p2p.program.loads) and, for every program
-it accepts, the text round trip and the simulator (csrc/simulate.c) behind
+it accepts, the text round trip and the simulator (csrc/core/simulate.c) behind
 megatron_p2p.simulate. A ProgramError (a ValueError) is the only way to refuse an input;
 anything else raised, or a crash, is a finding.
 

@@ -5,7 +5,7 @@ buffers vary with the round; buffers: "arena", from `comm.empty`, so that the la
 written by its sender into the receiver's arena, which the receiver offered it; "plain", plain
 memory while an arena exists, so that senders still wait for the offer; "no_arena", no arena at
 all): an exchange that must be exact, then one rank (alternating) overwrites `fields` random
-fields of the shared segment with `_C._corrupt_segment` at one of three moments of the next
+fields of the shared segment with `megatron_p2p._testing.corrupt_segment` at one of three moments of the next
 exchange, which both ranks run: before it ("rest"), once the peer has posted its side and this
 rank not yet ("peer_posted": the peer's descriptors wait in their slots), or once both have
 ("posted"). Every `control_every`-th round writes nothing: both its exchanges must be exact.
@@ -86,7 +86,7 @@ def body(params):
     import torch
 
     import megatron_p2p as mp
-    from megatron_p2p import _C
+    from megatron_p2p import _testing
 
     rounds, timeout, fields = params["rounds"], params["timeout"], params["fields"]
     init_timeout = params["init_timeout"]  # creation on a loaded machine: not what is measured
@@ -105,7 +105,7 @@ def body(params):
         corrupt = None
         if not record["control"] and comm.rank == record["hostile"]:
             def corrupt():
-                record["overwritten"] = _C._corrupt_segment(comm, round_seed, fields=fields)
+                record["overwritten"] = _testing.corrupt_segment(comm, round_seed, fields=fields)
         record["second"] = exchange(torch, comm, 2 * i + 1, timeout, arena, corrupt, record["moment"])
         start = time.monotonic()
         comm.close()

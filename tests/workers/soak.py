@@ -41,7 +41,7 @@ def config_name(config: tuple[int, int, bool]) -> str:
 
 
 def message_path(nbytes: int, config: tuple[int, int, bool]) -> str:
-    """The transport path a message of nbytes takes (csrc/shm.c): inside the descriptor slot
+    """The transport path a message of nbytes takes (csrc/shm/): inside the descriptor slot
     (4 KiB, or the eager threshold when larger), else CMA or the bounce buffer."""
     _, eager, single_copy = config
     if nbytes <= max(4096, eager):

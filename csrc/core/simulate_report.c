@@ -1,0 +1,304 @@
+/* After the run: the stuck state's wait-for graph and the cycle (or chain of waits) found in
+ * it for a deadlock's report, and the results the caller reads (verdict, mismatch, pending ops). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "simulate_internal.h"
+
+/* ---- the stuck state: the wait-for graph -------------------------------------------------------
+ * Nodes: (rank, lane) for a lane's head step and (rank, wait) for the rank's host wait,
+ * numbered rank * (nlanes + 1) + lane, the wait being lane nlanes. */
+
+typedef struct {
+    int32_t target, op;
+} sim_edge;
+
+typedef struct {
+    sim_edge *v;
+    size_t n, cap;
+} edge_list;
+
+static int push_edge(edge_list *l, int32_t target, int32_t op)
+{
+    sim_edge *v = sim_reserve(l->v, l->n, &l->cap, sizeof *v);
+    if (!v)
+        return -1;
+    l->v = v;
+    l->v[l->n++] = (sim_edge){target, op};
+    return 0;
+}
+
+static int32_t node_of(const mp_sim *sim, int32_t rank, int32_t lane) { return rank * (sim->nlanes + 1) + lane; }
+
+/* The op that `id` must meet, or -1 when its peer never posts it. */
+static int32_t partner_of(const mp_sim *sim, int32_t id)
+{
+    const sim_op *o = &sim->ops[id];
+    const sim_chan *ch = &sim->chans[o->chan];
+    if (o->kind == KIND_SEND)
+        return o->seq < ch->nrecv ? sim->chan_ops[ch->recv_off + o->seq] : -1;
+    return o->seq < ch->nsend ? sim->chan_ops[ch->send_off + o->seq] : -1;
+}
+
+static int partner_state(const mp_sim *sim, int32_t id)
+{
+    int32_t p = partner_of(sim, id);
+    if (p < 0 || !sim->steps[sim->ops[p].step].issued)
+        return MP_SIM_PARTNER_MISSING;
+    return sim->ops[p].active ? MP_SIM_PARTNER_ACTIVE : MP_SIM_PARTNER_QUEUED;
+}
+
+/* Where a pending op of an active step points: the peer's wait, the peer's lane, or nowhere
+ * (its partner is active too and it only waits for an earlier op of its group). */
+static int32_t op_target(const mp_sim *sim, int32_t id)
+{
+    const sim_op *o = &sim->ops[id];
+    switch (partner_state(sim, id)) {
+    case MP_SIM_PARTNER_MISSING:
+        return node_of(sim, o->peer, sim->nlanes);
+    case MP_SIM_PARTNER_QUEUED:
+        return node_of(sim, o->peer, o->lane);
+    default:
+        return -1;
+    }
+}
+
+static int head_edges(const mp_sim *sim, int32_t r, int32_t lane, edge_list *out)
+{
+    int32_t q = r * sim->nlanes + lane;
+    if (sim->lane_head[q] >= sim->lane_count[q])
+        return 0;
+    const sim_step *st = &sim->steps[sim->lane_steps[sim->lane_off[q] + sim->lane_head[q]]];
+    if (!st->issued)
+        return 0;
+    for (int32_t i = st->first_op; i < st->first_op + st->nops; i++) {
+        int32_t t = sim->ops[i].done ? -1 : op_target(sim, i);
+        if (t >= 0 && push_edge(out, t, i) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Edges of a wait on ops [first, end): each pending op points where it needs, or to its lane
+ * head when it is queued behind it (or only waits for an op of its own group). */
+static int wait_ops_edges(const mp_sim *sim, int32_t first, int32_t end, edge_list *out)
+{
+    int32_t behind_head_seen[2] = {0, 0};
+    for (int32_t i = first; i < end; i++) {
+        const sim_op *o = &sim->ops[i];
+        if (o->done && sim->steps[o->step].remaining == 0)
+            continue;
+        int32_t t = o->active && !o->done ? op_target(sim, i) : -1; /* done: waits for its group */
+        if (t < 0) {
+            if (behind_head_seen[o->lane]++)
+                continue;
+            t = node_of(sim, o->rank, o->lane); /* its lane head holds it back */
+        }
+        if (push_edge(out, t, i) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int wait_edges(const mp_sim *sim, int32_t r, edge_list *out)
+{
+    const sim_rank *rk = &sim->ranks[r];
+    switch (rk->state) {
+    case RANK_WAIT_CALL:
+    {
+        const sim_call *c = &sim->calls[rk->first_call + rk->next_call - 1];
+        return wait_ops_edges(sim, c->first_op, c->first_op + c->nops, out);
+    }
+    case RANK_WAIT_AWAIT: {
+        const sim_call *c = &sim->calls[rk->first_call + rk->next_call];
+        for (int32_t a = c->awaits_off; a < c->awaits_off + c->nawaits; a++) {
+            const sim_call *w = &sim->calls[sim->awaits[2 * a]];
+            int32_t op = sim->awaits[2 * a + 1];
+            if (wait_ops_edges(sim, op < 0 ? w->first_op : op, op < 0 ? w->first_op + w->nops : op + 1, out) != 0)
+                return -1;
+        }
+        return 0;
+    }
+    case RANK_FINAL:
+        for (int32_t lane = 0; lane < sim->nlanes; lane++) {
+            int32_t q = r * sim->nlanes + lane;
+            if (sim->lane_head[q] >= sim->lane_count[q])
+                continue;
+            const sim_step *st = &sim->steps[sim->lane_steps[sim->lane_off[q] + sim->lane_head[q]]];
+            for (int32_t i = st->first_op; i < st->first_op + st->nops; i++)
+                if (!sim->ops[i].done) {
+                    if (push_edge(out, node_of(sim, r, lane), i) != 0)
+                        return -1;
+                    break;
+                }
+        }
+        return 0;
+    default:
+        return 0;
+    }
+}
+
+static void op_info(const mp_sim *sim, int32_t id, mp_sim_op_info *out)
+{
+    const sim_op *o = &sim->ops[id];
+    const sim_call *c = &sim->calls[o->call];
+    const sim_chan *ch = &sim->chans[o->chan];
+    *out = (mp_sim_op_info){
+        .rank = o->rank,
+        .call = o->call - sim->ranks[o->rank].first_call,
+        .step = o->step - c->first_step,
+        .index = o->index,
+        .seq = o->seq,
+        .kind = o->kind,
+        .peer = o->peer,
+        .lane = o->lane,
+        .dtype = o->dtype,
+        .slot = o->slot,
+        .label = o->label,
+        .partner_state = partner_state(sim, id),
+        .bytes = o->bytes,
+        .partner_posted = ch->issued[o->kind == KIND_SEND ? KIND_RECV : KIND_SEND],
+    };
+}
+
+/* Keeps the edges of `path` that leave a rank: each is an op of that rank needing the next. */
+static int record_path(mp_sim *sim, const int32_t *nodes, const int32_t *ops, size_t n, int closed)
+{
+    sim->cycle = calloc(n ? n : 1, sizeof *sim->cycle);
+    if (!sim->cycle)
+        return -1;
+    int32_t per = sim->nlanes + 1;
+    for (size_t i = 0; i < n; i++) {
+        int32_t from = nodes[i] / per, to = nodes[i + 1] / per;
+        if (from == to)
+            continue;
+        op_info(sim, ops[i], &sim->cycle[sim->cycle_len].op);
+        sim->cycle[sim->cycle_len++].waits_for = to;
+    }
+    sim->cycle_closed = closed;
+    return 0;
+}
+
+/* Depth-first search from every rank's wait, then every lane; the first cycle found is kept.
+ * Without a cycle, the chain of first edges from the first stuck rank is kept instead. */
+void sim_find_cycle(mp_sim *sim)
+{
+    int32_t per = sim->nlanes + 1, nnodes = sim->size * per;
+    size_t *first = malloc(((size_t)nnodes + 1) * sizeof *first);
+    uint8_t *color = calloc((size_t)nnodes, 1);
+    int32_t *stack = malloc((size_t)nnodes * sizeof *stack), *path_nodes = malloc(((size_t)nnodes + 1) * sizeof *path_nodes);
+    int32_t *path_ops = malloc(((size_t)nnodes + 1) * sizeof *path_ops);
+    size_t *cursor = malloc((size_t)nnodes * sizeof *cursor);
+    edge_list edges = {0};
+    if (!first || !color || !stack || !path_nodes || !path_ops || !cursor)
+        goto oom;
+    for (int32_t v = 0; v < nnodes; v++) {
+        first[v] = edges.n;
+        int32_t r = v / per, lane = v % per;
+        if ((lane == sim->nlanes ? wait_edges(sim, r, &edges) : head_edges(sim, r, lane, &edges)) != 0)
+            goto oom;
+    }
+    first[nnodes] = edges.n;
+    for (int32_t pass = 0; pass < 2; pass++)
+        for (int32_t r = 0; r < sim->size; r++)
+            for (int32_t lane = pass ? 0 : sim->nlanes; lane < (pass ? sim->nlanes : sim->nlanes + 1); lane++) {
+                int32_t start = node_of(sim, r, lane);
+                if (color[start])
+                    continue;
+                size_t depth = 0;
+                stack[depth] = start;
+                cursor[depth++] = first[start];
+                color[start] = 1;
+                while (depth) {
+                    int32_t v = stack[depth - 1];
+                    if (cursor[depth - 1] == first[v + 1]) {
+                        color[v] = 2;
+                        depth--;
+                        continue;
+                    }
+                    const sim_edge *e = &edges.v[cursor[depth - 1]++];
+                    if (color[e->target] == 1) { /* back edge: the cycle is on the stack */
+                        size_t from = 0;
+                        while (stack[from] != e->target)
+                            from++;
+                        size_t n = 0;
+                        for (size_t i = from; i < depth; i++) {
+                            path_nodes[n] = stack[i];
+                            path_ops[n++] = i + 1 < depth ? edges.v[cursor[i] - 1].op : e->op;
+                        }
+                        path_nodes[n] = e->target;
+                        if (record_path(sim, path_nodes, path_ops, n, 1) != 0)
+                            goto oom;
+                        goto done;
+                    }
+                    if (color[e->target] == 0) {
+                        color[e->target] = 1;
+                        stack[depth] = e->target;
+                        cursor[depth++] = first[e->target];
+                    }
+                }
+            }
+    /* No cycle: follow first edges from the first stuck rank until a rank with nothing to wait for. */
+    for (int32_t r = 0; r < sim->size; r++) {
+        if (sim->ranks[r].state == RANK_DONE)
+            continue;
+        int32_t v = node_of(sim, r, sim->nlanes);
+        size_t n = 0;
+        memset(color, 0, (size_t)nnodes);
+        while (first[v] < first[v + 1] && !color[v] && n < (size_t)nnodes) {
+            color[v] = 1;
+            path_nodes[n] = v;
+            path_ops[n++] = edges.v[first[v]].op;
+            v = edges.v[first[v]].target;
+        }
+        path_nodes[n] = v;
+        if (record_path(sim, path_nodes, path_ops, n, 0) != 0)
+            goto oom;
+        break;
+    }
+    goto done;
+oom:
+    sim->oom = 1;
+done:
+    free(first);
+    free(color);
+    free(stack);
+    free(path_nodes);
+    free(path_ops);
+    free(cursor);
+    free(edges.v);
+}
+
+/* ---- results -------------------------------------------------------------------------------- */
+
+mp_sim_verdict mp_sim_result(const mp_sim *sim) { return sim->verdict; }
+int64_t mp_sim_rounds(const mp_sim *sim) { return sim->rounds; }
+int64_t mp_sim_num_ops(const mp_sim *sim) { return sim->nops; }
+int64_t mp_sim_num_pending(const mp_sim *sim) { return sim->npending; }
+
+void mp_sim_mismatch(const mp_sim *sim, mp_sim_op_info *send, mp_sim_op_info *recv)
+{
+    op_info(sim, sim->mismatch_send, send);
+    op_info(sim, sim->mismatch_recv, recv);
+}
+
+const mp_sim_edge *mp_sim_cycle(const mp_sim *sim, size_t *n, int *closed)
+{
+    *n = sim->cycle_len;
+    *closed = sim->cycle_closed;
+    return sim->cycle;
+}
+
+int mp_sim_each_pending(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx)
+{
+    for (int32_t i = 0; i < sim->nops; i++) {
+        if (sim->ops[i].done)
+            continue;
+        mp_sim_op_info info;
+        op_info(sim, i, &info);
+        int rc = fn(ctx, &info);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}

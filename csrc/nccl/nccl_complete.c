@@ -1,0 +1,208 @@
+/* Completion on the NCCL transport: an op finishes when its lane's event fires. Progress, host
+ * waits and the watchdog poll those events and NCCL's asynchronous errors: NCCL never times out. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/clock.h"
+#include "nccl_internal.h"
+
+/* ---- finishing ops ------------------------------------------------------------------------ */
+
+static void finish_op(mp_op *op, mp_result r, const char *detail)
+{
+    op->result = r;
+    snprintf(op->detail, sizeof op->detail, "%s", detail);
+    atomic_store_explicit(&op->state, MP_OP_DONE, memory_order_release);
+}
+
+void nccl_finish_steps(mp_step *s, mp_result r, const char *detail)
+{
+    while (s) {
+        mp_step *next = s->next;
+        for (int i = 0; i < s->nops; i++)
+            if (s->ops[i])
+                finish_op(s->ops[i], r, detail);
+        free(s);
+        s = next;
+    }
+}
+
+/* ---- polling the device ------------------------------------------------------------------- */
+
+static void pause_polling(unsigned polls)
+{
+    if (polls > 64) /* a short spin catches fast completions; then poll gently */
+        usleep(polls > 4096 ? 1000 : 20);
+}
+
+/* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. With
+ * `locked`, the caller holds n->lock: it is released between polls, and an abort meanwhile
+ * (which frees `comm`) ends the wait with MP_NCCL_ABORTED. */
+mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int locked)
+{
+    mp_ncclResult_t state = MP_NCCL_IN_PROGRESS;
+    for (unsigned polls = 0;; polls++) {
+        if (n->nccl->CommGetAsyncError(comm, &state) != MP_NCCL_SUCCESS)
+            return MP_NCCL_INTERNAL_ERROR;
+        if (state != MP_NCCL_IN_PROGRESS)
+            return state;
+        if (mp_now() > deadline)
+            return MP_NCCL_TIMEOUT;
+        if (mp_interrupted(n->interrupt))
+            return MP_NCCL_INTERRUPTED;
+        if (locked)
+            pthread_mutex_unlock(&n->lock);
+        pause_polling(polls);
+        if (locked) {
+            pthread_mutex_lock(&n->lock);
+            if (n->cause != MP_OK)
+                return MP_NCCL_ABORTED;
+        }
+    }
+}
+
+/* Finishes the ops of every fence whose event has fired. Lock held. */
+void nccl_progress_locked(nccl_t *n)
+{
+    for (int l = 0; l < n->base.nlanes; l++) {
+        lane_t *lane = &n->lanes[l];
+        while (lane->head) {
+            fence *f = lane->head;
+            mp_CUresult r = n->cu->EventQuery(f->event);
+            if (r == MP_CUDA_ERROR_NOT_READY)
+                break;
+            if (r != MP_CUDA_SUCCESS) {
+                nccl_fail_cuda(n, "CUDA reported an error on a lane's stream", r);
+                return;
+            }
+            lane->head = f->next;
+            if (!lane->head)
+                lane->tail = NULL;
+            nccl_finish_steps(f->steps, MP_OK, "");
+            f->steps = NULL;
+            f->next = n->spare;
+            n->spare = f;
+        }
+    }
+}
+
+/* An asynchronous NCCL error (a remote failure, a dead connection) on any lane: its cause, or
+ * MP_OK. Lock held. */
+static mp_result async_error_locked(nccl_t *n, char *detail, size_t len)
+{
+    for (int l = 0; l < n->base.nlanes; l++) {
+        mp_ncclResult_t state = MP_NCCL_SUCCESS;
+        if (!n->lanes[l].comm || n->nccl->CommGetAsyncError(n->lanes[l].comm, &state) != MP_NCCL_SUCCESS)
+            continue;
+        if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
+            snprintf(detail, len, "NCCL reported an asynchronous error on lane %d: %s", l,
+                     nccl_error(n, n->lanes[l].comm, state));
+            return nccl_cause_of(state);
+        }
+    }
+    return MP_OK;
+}
+
+/* Such an error aborts everything. Lock held. */
+void nccl_check_async_locked(nccl_t *n)
+{
+    char detail[256];
+    mp_result cause = n->cause == MP_OK ? async_error_locked(n, detail, sizeof detail) : MP_OK;
+    if (cause != MP_OK)
+        nccl_abort_locked(n, cause, n->base.rank, detail);
+}
+
+/* Polls `event` until it fires, releasing the lock between polls: MP_OK, MP_ERR_TIMEOUT past
+ * `deadline`, or the cause of an abort or asynchronous error meanwhile. Lock held. */
+mp_result nccl_await_event_locked(nccl_t *n, mp_CUevent event, double deadline, char *detail, size_t len)
+{
+    for (unsigned polls = 0;; polls++) {
+        mp_CUresult c = n->cu->EventQuery(event);
+        if (c == MP_CUDA_SUCCESS)
+            return MP_OK;
+        if (c != MP_CUDA_ERROR_NOT_READY) {
+            snprintf(detail, len, "CUDA reported an error on a lane's stream: %s", nccl_cu_error(n, c));
+            return MP_ERR_SYSTEM;
+        }
+        mp_result failed = async_error_locked(n, detail, len);
+        if (failed != MP_OK)
+            return failed;
+        if (mp_now() > deadline)
+            return MP_ERR_TIMEOUT;
+        pthread_mutex_unlock(&n->lock);
+        pause_polling(polls);
+        pthread_mutex_lock(&n->lock);
+        if (n->cause != MP_OK)
+            return n->cause;
+    }
+}
+
+/* ---- vtable ------------------------------------------------------------------------------- */
+
+void nccl_progress(mp_transport *t)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->lock);
+    if (n->cause == MP_OK && !n->capturing)
+        nccl_progress_locked(n);
+    pthread_mutex_unlock(&n->lock);
+}
+
+mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline, const mp_interrupt *interrupt)
+{
+    nccl_t *n = (nccl_t *)t;
+    for (unsigned polls = 0;; polls++) {
+        pthread_mutex_lock(&n->lock);
+        n->capturing = 0; /* a host wait: the caller is not capturing */
+        if (n->cause == MP_OK) {
+            nccl_progress_locked(n);
+            if (!mp_op_done(op))
+                nccl_check_async_locked(n);
+        }
+        pthread_mutex_unlock(&n->lock);
+        if (mp_op_done(op))
+            return MP_OK;
+        if (mp_now() > deadline)
+            return MP_ERR_TIMEOUT;
+        if (mp_interrupted(interrupt))
+            return MP_ERR_INTERRUPTED;
+        pause_polling(polls);
+    }
+}
+
+mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_t len)
+{
+    nccl_t *n = (nccl_t *)t;
+    mp_result cause = MP_OK;
+    /* Thread-local capture mode: these queries, from a thread that captures nothing, must not
+     * invalidate a capture another thread runs in the global mode. */
+    int mode = MP_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    int exchanged = n->cu->ThreadExchangeStreamCaptureMode(&mode) == MP_CUDA_SUCCESS;
+    pthread_mutex_lock(&n->lock);
+    if (n->cause == MP_OK) {
+        nccl_progress_locked(n);
+        cause = async_error_locked(n, detail, len);
+        double now = mp_now();
+        for (int l = 0; cause == MP_OK && l < t->nlanes; l++) {
+            const fence *f = n->lanes[l].head;
+            if (f && now - f->recorded > timeout) {
+                snprintf(detail, len, "lane %d: device work fenced %.1f s ago has not completed (timeout %.1f s)", l,
+                         now - f->recorded, timeout);
+                cause = MP_ERR_TIMEOUT;
+            }
+        }
+    }
+    pthread_mutex_unlock(&n->lock);
+    if (exchanged)
+        n->cu->ThreadExchangeStreamCaptureMode(&mode);
+    return cause;
+}
+
+void nccl_describe_peer(mp_transport *t, const mp_op *op, char *buf, size_t len)
+{
+    (void)t;
+    snprintf(buf, len, "%s", op->fence ? "its lane's completion event has not fired"
+                                       : "not yet fenced");
+}

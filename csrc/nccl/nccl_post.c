@@ -1,0 +1,382 @@
+/* Posting on the NCCL transport: each step becomes one NCCL group on its lane's stream, between
+ * begin(), which orders the lanes after the caller's stream, and end(), which fences what was
+ * posted with one event per lane; debug matching checks a step's descriptors before its data. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/clock.h"
+#include "core/dtype.h"
+#include "nccl_internal.h"
+
+/* ---- issuing: one step, one NCCL group ---------------------------------------------------- */
+
+mp_ncclDataType_t mp_nccl_datatype(int dtype, uint64_t nbytes, int nccl_version, size_t *count)
+{
+    mp_ncclDataType_t type = MP_NCCL_UINT8;
+    size_t size = 1;
+    int fp8 = nccl_version >= MP_NCCL_FLOAT8_VERSION;
+    switch ((mp_dtype)dtype) {
+    case MP_DT_FLOAT64: type = MP_NCCL_FLOAT64; size = 8; break;
+    case MP_DT_FLOAT32: type = MP_NCCL_FLOAT32; size = 4; break;
+    case MP_DT_FLOAT16: type = MP_NCCL_FLOAT16; size = 2; break;
+    case MP_DT_BFLOAT16: type = MP_NCCL_BFLOAT16; size = 2; break;
+    case MP_DT_FLOAT8_E4M3FN: type = fp8 ? MP_NCCL_FLOAT8E4M3 : MP_NCCL_UINT8; break;
+    case MP_DT_FLOAT8_E5M2: type = fp8 ? MP_NCCL_FLOAT8E5M2 : MP_NCCL_UINT8; break;
+    case MP_DT_INT8: type = MP_NCCL_INT8; break;
+    case MP_DT_INT32: type = MP_NCCL_INT32; size = 4; break;
+    case MP_DT_INT64: type = MP_NCCL_INT64; size = 8; break;
+    case MP_DT_UINT32: type = MP_NCCL_UINT32; size = 4; break;
+    case MP_DT_UINT64: type = MP_NCCL_UINT64; size = 8; break;
+    default: break; /* no NCCL type of its own (bool, int16, fnuz float8, complex, ...): bytes */
+    }
+    if (nbytes % size) { /* cannot happen for a whole tensor; keep the bytes exact regardless */
+        type = MP_NCCL_UINT8;
+        size = 1;
+    }
+    *count = (size_t)(nbytes / size);
+    return type;
+}
+
+mp_ncclResult_t mp_nccl_issue(const mp_nccl_calls *calls, void *ctx, const mp_step *step, int nccl_version)
+{
+    mp_ncclResult_t first = calls->group_start(ctx);
+    if (first != MP_NCCL_SUCCESS)
+        return first;
+    for (int i = 0; i < step->nops; i++) {
+        const mp_op *op = step->ops[i];
+        size_t count;
+        mp_ncclDataType_t type = mp_nccl_datatype(op->dtype, op->nbytes, nccl_version, &count);
+        mp_ncclResult_t r = op->kind == MP_SEND ? calls->send(ctx, op, count, type)
+                                                : calls->recv(ctx, op, count, type);
+        if (r != MP_NCCL_SUCCESS && first == MP_NCCL_SUCCESS)
+            first = r;
+    }
+    mp_ncclResult_t end = calls->group_end(ctx, step->lane); /* always: a group must be closed */
+    return first != MP_NCCL_SUCCESS ? first : end;
+}
+
+/* ---- CUDA graph capture ------------------------------------------------------------------- */
+
+/* Whether `stream` is capturing a CUDA graph, when nothing may query or wait on the host. */
+static int is_capturing(nccl_t *n, mp_CUstream stream)
+{
+    int status = 0;
+    return n->cu->StreamIsCapturing(stream, &status) == MP_CUDA_SUCCESS && status == MP_CU_STREAM_CAPTURE_STATUS_ACTIVE;
+}
+
+/* A fence with a fresh event, owned by the graph being captured until the transport is destroyed. */
+static fence *graph_fence(nccl_t *n, mp_CUresult *r)
+{
+    fence *f = calloc(1, sizeof *f);
+    *r = f ? n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING) : MP_CUDA_ERROR_OUT_OF_MEMORY;
+    if (*r != MP_CUDA_SUCCESS) {
+        free(f);
+        return NULL;
+    }
+    f->next = n->graph_fences;
+    n->graph_fences = f;
+    return f;
+}
+
+/* ---- the real NCCL calls ------------------------------------------------------------------ */
+
+static mp_ncclResult_t real_group_start(void *ctx) { return ((nccl_t *)ctx)->nccl->GroupStart(); }
+
+static mp_ncclResult_t real_group_end(void *ctx, int lane)
+{
+    nccl_t *n = ctx;
+    mp_ncclResult_t r = n->nccl->GroupEnd();
+    /* The launch may finish asynchronously; the lane's event must be recorded after it. */
+    return r == MP_NCCL_IN_PROGRESS ? nccl_settle(n, n->lanes[lane].comm, mp_now() + n->timeout, 1) : r;
+}
+
+static mp_ncclResult_t real_send(void *ctx, const mp_op *op, size_t count, mp_ncclDataType_t type)
+{
+    nccl_t *n = ctx;
+    lane_t *lane = &n->lanes[op->lane];
+    return n->nccl->Send(op->buf, count, type, op->peer, lane->comm, lane->stream);
+}
+
+static mp_ncclResult_t real_recv(void *ctx, const mp_op *op, size_t count, mp_ncclDataType_t type)
+{
+    nccl_t *n = ctx;
+    lane_t *lane = &n->lanes[op->lane];
+    return n->nccl->Recv(op->buf, count, type, op->peer, lane->comm, lane->stream);
+}
+
+static const mp_nccl_calls real_calls = {real_group_start, real_group_end, real_send, real_recv};
+
+/* ---- debug matching: a step's descriptors, exchanged and compared before its data ---------- */
+
+static mp_CUresult reserve_check(nccl_t *n, int nops)
+{
+    if (nops <= n->check_slots)
+        return MP_CUDA_SUCCESS;
+    int slots = nops > 16 ? nops : 16;
+    if (n->check_host)
+        n->cu->MemFreeHost(n->check_host);
+    if (n->check_dev)
+        n->cu->MemFree(n->check_dev);
+    n->check_host = NULL;
+    n->check_dev = 0;
+    n->check_slots = 0;
+    void *host = NULL;
+    size_t bytes = 2 * (size_t)slots * sizeof(mp_check_desc);
+    mp_CUresult c = n->cu->MemAllocHost(&host, bytes);
+    if (c == MP_CUDA_SUCCESS && (c = n->cu->MemAlloc(&n->check_dev, bytes)) != MP_CUDA_SUCCESS)
+        n->cu->MemFreeHost(host);
+    if (c == MP_CUDA_SUCCESS) {
+        n->check_host = host;
+        n->check_slots = slots;
+    }
+    return c;
+}
+
+/* Every send of the step sends its descriptor and every receive takes one, as one group on the
+ * step's lane; the host waits for them and compares. Only then may the data's group be issued:
+ * NCCL has no way to stop data already launched. Lock and issue lock held. */
+static mp_result check_step(nccl_t *n, const mp_step *step, char *detail, size_t len)
+{
+    lane_t *lane = &n->lanes[step->lane];
+    const size_t size = sizeof(mp_check_desc);
+    mp_CUresult c = reserve_check(n, step->nops);
+    if (c != MP_CUDA_SUCCESS) {
+        snprintf(detail, len, "debug matching could not allocate its descriptors: %s", nccl_cu_error(n, c));
+        return MP_ERR_SYSTEM;
+    }
+    mp_check_desc *out = n->check_host, *in = n->check_host + n->check_slots;
+    mp_CUdeviceptr dev_out = n->check_dev, dev_in = n->check_dev + (mp_CUdeviceptr)n->check_slots * size;
+    for (int i = 0; i < step->nops; i++)
+        if (step->ops[i]->kind == MP_SEND)
+            mp_check_describe(step->ops[i], &out[i]);
+    c = n->cu->MemcpyHtoDAsync(dev_out, out, (size_t)step->nops * size, lane->stream);
+    if (c != MP_CUDA_SUCCESS) {
+        snprintf(detail, len, "debug matching could not copy its descriptors: %s", nccl_cu_error(n, c));
+        return MP_ERR_SYSTEM;
+    }
+    mp_ncclResult_t r = n->nccl->GroupStart();
+    for (int i = 0; r == MP_NCCL_SUCCESS && i < step->nops; i++) {
+        const mp_op *op = step->ops[i];
+        mp_CUdeviceptr at = (op->kind == MP_SEND ? dev_out : dev_in) + (mp_CUdeviceptr)i * size;
+        r = op->kind == MP_SEND ? n->nccl->Send((void *)(uintptr_t)at, size, MP_NCCL_UINT8, op->peer, lane->comm,
+                                                lane->stream)
+                                : n->nccl->Recv((void *)(uintptr_t)at, size, MP_NCCL_UINT8, op->peer, lane->comm,
+                                                lane->stream);
+    }
+    mp_ncclResult_t end = real_group_end(n, step->lane);
+    if (end == MP_NCCL_ABORTED)
+        return n->cause;
+    if (r == MP_NCCL_SUCCESS)
+        r = end;
+    if (r != MP_NCCL_SUCCESS) {
+        snprintf(detail, len, "debug matching: NCCL failed to issue the descriptors on lane %d: %s", step->lane,
+                 nccl_error(n, lane->comm, r));
+        return nccl_cause_of(r);
+    }
+    c = n->cu->MemcpyDtoHAsync(in, dev_in, (size_t)step->nops * size, lane->stream);
+    if (c == MP_CUDA_SUCCESS)
+        c = n->cu->EventRecord(n->check_done, lane->stream);
+    if (c != MP_CUDA_SUCCESS) {
+        snprintf(detail, len, "debug matching could not fetch its descriptors: %s", nccl_cu_error(n, c));
+        return MP_ERR_SYSTEM;
+    }
+    mp_result waited = nccl_await_event_locked(n, n->check_done, mp_now() + n->timeout, detail, len);
+    if (waited == MP_ERR_TIMEOUT)
+        snprintf(detail, len, "debug matching: rank %d waited %.1f s on lane %d for the descriptors of step #%llu: a "
+                 "peer has not posted the matching ops", n->global_rank, n->timeout, step->lane,
+                 (unsigned long long)step->ops[0]->step);
+    if (waited != MP_OK)
+        return waited;
+    for (int i = 0; i < step->nops; i++) {
+        const mp_op *op = step->ops[i];
+        if (op->kind == MP_RECV && mp_check_compare(&in[i], op->peer_global, op, n->global_rank, detail, len) < 0)
+            return MP_ERR_MISMATCH;
+    }
+    return MP_OK;
+}
+
+/* ---- vtable -------------------------------------------------------------------------------- */
+
+mp_result nccl_begin(mp_transport *t, void *stream)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->issue);
+    pthread_mutex_lock(&n->lock);
+    mp_result res = n->cause != MP_OK ? n->cause : MP_OK;
+    mp_CUcontext saved;
+    mp_CUresult entered = nccl_enter(n, &saved);
+    if (res == MP_OK && entered != MP_CUDA_SUCCESS)
+        res = nccl_fail_cuda(n, ENTER_FAILED, entered);
+    n->capturing = res == MP_OK && is_capturing(n, (mp_CUstream)stream);
+    if (n->capturing && n->check) /* debug matching waits on the host before every step */
+        res = MP_ERR_CAPTURE;
+    if (res == MP_OK) {
+        /* During capture the lanes join the capture through this event, which the graph keeps. */
+        mp_CUresult r = MP_CUDA_SUCCESS;
+        fence *g = n->capturing ? graph_fence(n, &r) : NULL;
+        mp_CUevent ready = g ? g->event : n->ready;
+        if (r == MP_CUDA_SUCCESS)
+            r = n->cu->EventRecord(ready, (mp_CUstream)stream);
+        for (int l = 0; r == MP_CUDA_SUCCESS && l < t->nlanes; l++)
+            r = n->cu->StreamWaitEvent(n->lanes[l].stream, ready, 0);
+        if (r != MP_CUDA_SUCCESS)
+            res = nccl_fail_cuda(n, "ordering the lanes after the caller's stream failed", r);
+    }
+    nccl_leave(n, saved);
+    pthread_mutex_unlock(&n->lock);
+    pthread_mutex_unlock(&n->issue);
+    return res;
+}
+
+mp_result nccl_post(mp_transport *t, mp_step *step)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->issue);
+    pthread_mutex_lock(&n->lock);
+    if (n->cause != MP_OK) {
+        mp_result cause = n->cause;
+        pthread_mutex_unlock(&n->lock);
+        pthread_mutex_unlock(&n->issue);
+        return cause;
+    }
+    int l = step->lane;
+    lane_t *lane = &n->lanes[l];
+    for (int i = 0; i < step->nops; i++) {
+        step->ops[i]->index = i;
+        atomic_store_explicit(&step->ops[i]->state, MP_OP_ACTIVE, memory_order_release);
+    }
+    step->next = NULL;
+    if (lane->open_tail)
+        lane->open_tail->next = step;
+    else
+        lane->open_head = step;
+    lane->open_tail = step; /* owned from here on: an abort (even while the launch settles) frees it */
+    mp_CUcontext saved;
+    mp_CUresult entered = nccl_enter(n, &saved);
+    if (entered != MP_CUDA_SUCCESS) {
+        nccl_fail_cuda(n, ENTER_FAILED, entered);
+        pthread_mutex_unlock(&n->lock);
+        pthread_mutex_unlock(&n->issue);
+        return MP_OK; /* its ops report the failure */
+    }
+    if (n->check && step->nops) {
+        char detail[MP_DETAIL_LEN];
+        mp_result checked = check_step(n, step, detail, sizeof detail);
+        if (checked != MP_OK) {
+            nccl_abort_locked(n, checked, t->rank, detail); /* nothing if an abort came first */
+            nccl_leave(n, saved);
+            pthread_mutex_unlock(&n->lock);
+            pthread_mutex_unlock(&n->issue);
+            return MP_OK;
+        }
+    }
+    mp_ncclResult_t r = mp_nccl_issue(&real_calls, n, step, n->nccl->version);
+    nccl_leave(n, saved);
+    if (r != MP_NCCL_SUCCESS && r != MP_NCCL_ABORTED) {
+        char detail[256];
+        snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %s", l, nccl_error(n, lane->comm, r));
+        nccl_abort_locked(n, nccl_cause_of(r), t->rank, detail);
+    }
+    pthread_mutex_unlock(&n->lock);
+    pthread_mutex_unlock(&n->issue);
+    return MP_OK; /* the step is ours either way; a failure is reported through its ops */
+}
+
+mp_result nccl_end(mp_transport *t)
+{
+    nccl_t *n = (nccl_t *)t;
+    pthread_mutex_lock(&n->issue);
+    pthread_mutex_lock(&n->lock);
+    mp_result res = MP_OK;
+    mp_CUcontext saved;
+    mp_CUresult entered = nccl_enter(n, &saved);
+    if (entered != MP_CUDA_SUCCESS && n->cause == MP_OK)
+        res = nccl_fail_cuda(n, ENTER_FAILED, entered);
+    for (int l = 0; l < t->nlanes && n->cause == MP_OK; l++) {
+        lane_t *lane = &n->lanes[l];
+        if (!lane->open_head)
+            continue;
+        fence *f = n->spare;
+        mp_CUresult r = MP_CUDA_SUCCESS;
+        if (n->capturing) {
+            /* Captured work runs at each replay: its ops are stream-ordered only, and done here. */
+            if ((f = graph_fence(n, &r)))
+                r = n->cu->EventRecord(f->event, lane->stream);
+            if (r != MP_CUDA_SUCCESS) {
+                res = nccl_fail_cuda(n, "recording a lane's event during capture failed", r);
+                break;
+            }
+            for (mp_step *s = lane->open_head; s; s = s->next)
+                for (int i = 0; i < s->nops; i++) {
+                    s->ops[i]->fence = f;
+                    s->ops[i]->captured = 1;
+                }
+            nccl_finish_steps(lane->open_head, MP_OK, "");
+            lane->open_head = lane->open_tail = NULL;
+            continue;
+        }
+        if (f) {
+            n->spare = f->next;
+        } else if ((f = calloc(1, sizeof *f))) {
+            r = n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING);
+            if (r != MP_CUDA_SUCCESS) {
+                free(f);
+                f = NULL;
+            }
+        }
+        if (f && r == MP_CUDA_SUCCESS)
+            r = n->cu->EventRecord(f->event, lane->stream);
+        if (!f || r != MP_CUDA_SUCCESS) {
+            if (f) {
+                f->next = n->spare;
+                n->spare = f;
+            }
+            res = nccl_fail_cuda(n, "recording a lane's completion event failed", r != MP_CUDA_SUCCESS ? r : MP_CUDA_ERROR_OUT_OF_MEMORY);
+            break;
+        }
+        f->steps = lane->open_head;
+        f->recorded = mp_now();
+        f->next = NULL;
+        for (mp_step *s = f->steps; s; s = s->next)
+            for (int i = 0; i < s->nops; i++)
+                s->ops[i]->fence = f;
+        lane->open_head = lane->open_tail = NULL;
+        if (lane->tail)
+            lane->tail->next = f;
+        else
+            lane->head = f;
+        lane->tail = f;
+    }
+    nccl_leave(n, saved);
+    pthread_mutex_unlock(&n->lock);
+    pthread_mutex_unlock(&n->issue);
+    return res;
+}
+
+mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
+{
+    nccl_t *n = (nccl_t *)t;
+    mp_result res = MP_OK;
+    pthread_mutex_lock(&n->lock);
+    mp_CUcontext saved;
+    mp_CUresult entered = nccl_enter(n, &saved);
+    if (entered != MP_CUDA_SUCCESS) {
+        res = nccl_fail_cuda(n, ENTER_FAILED, entered);
+        pthread_mutex_unlock(&n->lock);
+        return res;
+    }
+    n->capturing = is_capturing(n, (mp_CUstream)stream);
+    if (n->cause == MP_OK && !n->capturing)
+        nccl_progress_locked(n);
+    /* A captured op is done for the host, but its replays still order the waiting stream. */
+    if ((op->captured || !mp_op_done(op)) && op->fence) {
+        mp_CUresult r = n->cu->StreamWaitEvent((mp_CUstream)stream, ((fence *)op->fence)->event, 0);
+        if (r != MP_CUDA_SUCCESS)
+            res = nccl_fail_cuda(n, "making the caller's stream wait failed", r);
+    }
+    nccl_leave(n, saved);
+    pthread_mutex_unlock(&n->lock);
+    return res;
+}

@@ -1,0 +1,161 @@
+/* The Communicator type: its life cycle (creation's entry, abort, the watchdog's check, close,
+ * dealloc) and its method table; the methods themselves live in the files of communicator.h. */
+#include <stddef.h>
+
+#include "arena_tensor.h"
+#include "communicator.h"
+#include <structmember.h> /* after Python.h */
+#include "errors.h"
+
+static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    return mp_comm_create(type, args, kwargs, NULL, NULL);
+}
+
+static void comm_dealloc(CommObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    mp_comm_shutdown(self);
+    Py_XDECREF(self->inflight);
+    Py_XDECREF(self->backend);
+    Py_XDECREF(self->stream_fn);
+    Py_XDECREF(self->on_abort);
+    Py_XDECREF(self->on_error);
+    Py_XDECREF(self->abort_report);
+    PyMem_Free(self->trace);
+    PyMem_Free(self->global_ranks);
+    PyMem_Free(self->send_seq);
+    PyMem_Free(self->recv_seq);
+    PyMem_Free(self->lane_steps);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"rank", "reason", NULL};
+    PyObject *rank_obj = Py_None;
+    const char *reason = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Oz:abort", kwlist, &rank_obj, &reason))
+        return NULL;
+    int cause = self->group_rank;
+    if (rank_obj != Py_None && (cause = mp_comm_group_rank(self, rank_obj, "rank")) < 0)
+        return NULL;
+    if (self->transport)
+        self->transport->ops->abort(self->transport, MP_ERR_ABORTED, cause, reason);
+    Py_RETURN_NONE;
+}
+
+/* Called by the process's watchdog thread. The GIL stays held: the check is short (the transport
+ * never waits on the peers in it), and a close() meanwhile cannot free the transport. */
+static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    mp_transport *t = self->transport;
+    char detail[256] = "";
+    mp_result cause = t && t->ops->watch ? t->ops->watch(t, self->timeout, detail, sizeof detail) : MP_OK;
+    if (cause == MP_OK)
+        Py_RETURN_NONE;
+    PyObject *report = mp_comm_pending_report(self);
+    if (!report)
+        return NULL;
+    PyObject *msg = PyUnicode_FromFormat("rank %d: the watchdog found %s: %s; the communicator is aborted.\n%U",
+                                         self->global_ranks[self->group_rank],
+                                         cause == MP_ERR_TIMEOUT ? "an op past its timeout" : "an asynchronous error",
+                                         detail, report);
+    Py_DECREF(report);
+    if (!msg)
+        return NULL;
+    t->ops->abort(t, cause, self->group_rank, detail);
+    Py_XSETREF(self->abort_report, Py_NewRef(msg));
+    PyObject *exc = PyObject_CallOneArg(mp_failure_type(self->state, cause), msg);
+    Py_DECREF(msg);
+    return exc;
+}
+
+static PyObject *comm_close(CommObject *self, PyObject *Py_UNUSED(ignored))
+{
+    mp_comm_shutdown(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *comm_enter(CommObject *self, PyObject *Py_UNUSED(ignored)) { return Py_NewRef(self); }
+
+static PyObject *comm_exit(CommObject *self, PyObject *Py_UNUSED(args))
+{
+    mp_comm_shutdown(self);
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef comm_methods[] = {
+    {"exchange", (PyCFunction)(void (*)(void))mp_comm_exchange, METH_FASTCALL | METH_KEYWORDS,
+     "exchange(send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode='parity', "
+     "prev_rank=None, next_rank=None, call=None) -> dict\n\nPosts one pipeline exchange in one call and returns a "
+     "Request per posted op, keyed by op name. mode='parity' issues the ops one by one in Megatron's "
+     "parity order; 'batched' issues each lane's ops as one group. prev_rank / next_rank (global ranks) "
+     "override the ring neighbours. call names the API call for reports and the flight recorder."},
+    {"isend", (PyCFunction)(void (*)(void))mp_comm_isend, METH_VARARGS | METH_KEYWORDS,
+     "isend(tensor, peer, *, call=None) -> Request\n\nPosts a send to global rank `peer` on lane 0, after every op issued before."},
+    {"irecv", (PyCFunction)(void (*)(void))mp_comm_irecv, METH_VARARGS | METH_KEYWORDS,
+     "irecv(tensor, peer, *, call=None) -> Request\n\nPosts a receive from global rank `peer` on lane 0, after every op issued before."},
+    {"batch", (PyCFunction)(void (*)(void))mp_comm_batch, METH_VARARGS | METH_KEYWORDS,
+     "batch(ops, *, lane=0, call=None) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on "
+     "`lane`, after every op issued before on it."},
+    {"abort", (PyCFunction)(void (*)(void))comm_abort, METH_VARARGS | METH_KEYWORDS,
+     "abort(*, rank=None, reason=None) -> None\n\nFails every pending op here and at every peer. Idempotent. "
+     "rank: the global rank whose failure this abort passes on (default: this one), which reports name as the "
+     "cause; reason: why, quoted by the failures it causes."},
+    {"close", (PyCFunction)comm_close, METH_NOARGS,
+     "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
+    {"stats", (PyCFunction)mp_comm_stats, METH_NOARGS,
+     "Messages and bytes posted, and seconds spent in wait(); shm also counts the messages received by each path: "
+     "inline (in the descriptor), single_copy (process_vm_readv by the receiver), bounce (two copies through the "
+     "segment) and arena (written into the receive buffer by the sender)."},
+    {"empty", (PyCFunction)(void (*)(void))mp_comm_empty, METH_VARARGS | METH_KEYWORDS,
+     "empty(shape, dtype) -> Tensor: an uninitialised receive buffer. On shm it lies in this rank's "
+     "arena, which its peers have mapped, so a send into it is one copy by the sender; it falls back "
+     "to plain memory (logged once) when the arena is full. On nccl, torch.empty on the device."},
+    {"recent_ops", (PyCFunction)mp_comm_recent_ops, METH_NOARGS,
+     "recent_ops() -> list[dict]: the last ops this rank posted (up to 1024), oldest first: kind, label, peer "
+     "(global rank), nbytes, dtype, lane, step (per lane), seq (per pair and lane), group_size, call (the k-th "
+     "API call), call_name, state (posted, matched, completed or failed), error ('' or the failure class), "
+     "t_posted and t_completed (wall-clock seconds; None while pending) and waited (wait() was called)."},
+    {"watchdog_check", (PyCFunction)comm_watchdog_check, METH_NOARGS,
+     "watchdog_check() -> exception or None\n\nFor the process's watchdog (megatron_p2p.watchdog). NCCL: finishes "
+     "the ops whose device work has completed; when device work has been pending longer than the timeout, or "
+     "NCCL reports an asynchronous error, aborts the lane communicators and returns the exception (not raised) "
+     "whose report the next call on this communicator raises. Always None on shm, whose waits time themselves."},
+    {"check_tensor", (PyCFunction)mp_comm_check_tensor, METH_VARARGS,
+     "check_tensor(tensor, name='tensor') -> None\n\nRaises the TypeError or ValueError that posting `tensor` on "
+     "this communicator would raise, naming it `name`; posts nothing."},
+    {"single_copy", (PyCFunction)mp_comm_single_copy, METH_O,
+     "single_copy(peer) -> bool: whether large messages from `peer` arrive with one copy (CMA)."},
+    {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)comm_exit, METH_VARARGS, NULL},
+    {NULL},
+};
+
+static PyMemberDef comm_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(CommObject, weakrefs), READONLY, NULL},
+    {NULL},
+};
+
+static PyType_Slot comm_slots[] = {
+    {Py_tp_new, comm_new},
+    {Py_tp_members, comm_members},
+    {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_methods, comm_methods},
+    {Py_tp_getset, mp_comm_getset},
+    {Py_tp_doc, "Communicator(backend, unique_id, group_rank, ranks, *, lanes=2, eager_threshold=0, timeout=300.0, "
+                "single_copy=True)\n\nLow-level constructor, collective over the group; use "
+                "megatron_p2p.init_communicator()."},
+    {0, NULL},
+};
+
+PyType_Spec mp_communicator_spec = {
+    .name = "megatron_p2p._C.Communicator",
+    .basicsize = sizeof(CommObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = comm_slots,
+};

@@ -1,0 +1,420 @@
+#include "deadlock.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/dtype.h"
+#include "core/op.h"
+
+/* Graph nodes: per rank, the head step of each lane, and the rank's wait (which must return
+ * before the rank posts anything new). */
+#define NODE_KINDS 3
+#define NODE_WAIT 2
+
+typedef struct {
+    int state; /* 0: not read yet, 1: blocked with a consistent snapshot, 2: not usable */
+    shm_watch snap;
+} rank_view;
+
+typedef struct {
+    int rank;
+    int node_kind;     /* lane, or NODE_WAIT */
+    int next;          /* the rank it waits for */
+    uint32_t epoch;
+    shm_watch_op op;   /* the op that needs `next` */
+    int partner_issued;
+    uint64_t partner_count; /* the partner kind's ops `next` has issued on the channel */
+} cycle_edge;
+
+struct shm_cycle {
+    int n;
+    cycle_edge edges[];
+};
+
+typedef struct {
+    const shm_view *v;
+    uint64_t eager;
+    rank_view *views;
+    int *nedges;       /* -1: not computed */
+    int *to;           /* [node][SHM_WATCH_OPS] */
+    int *via;          /* op index in the rank's snapshot */
+    char *corrupt;     /* the first impossible value read, for the caller to report */
+    size_t corrupt_len;
+} graph;
+
+static void found_corrupt(graph *g, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void found_corrupt(graph *g, const char *fmt, ...)
+{
+    if (!g->corrupt_len || g->corrupt[0])
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->corrupt, g->corrupt_len, fmt, ap);
+    va_end(ap);
+}
+
+static shm_chan *chan(const shm_view *v, int lane, int src, int dst)
+{
+    return shm_chan_at(v, shm_chan_index(v, lane, src, dst));
+}
+
+static int is_eager(const graph *g, const shm_watch_op *o) { return o->kind == MP_SEND && o->nbytes <= g->eager; }
+
+/* Seqlock read of a blocked rank's snapshot, checked like any other value from shared memory. */
+static rank_view *view_of(graph *g, int r)
+{
+    rank_view *rv = &g->views[r];
+    if (rv->state)
+        return rv;
+    rv->state = 2;
+    shm_rank *sr = shm_rank_at(g->v, r);
+    uint32_t epoch = atomic_load(&sr->wait_epoch);
+    if (!atomic_load(&sr->waiting) || atomic_load(&sr->fence))
+        return rv;
+    shm_watch *w = shm_watch_at(g->v, r);
+    uint32_t before = atomic_load_explicit(&w->version, memory_order_acquire);
+    if (before & 1)
+        return rv;
+    memcpy(&rv->snap, (const char *)w, sizeof rv->snap);
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(&w->version, memory_order_relaxed) != before || rv->snap.epoch != epoch ||
+        atomic_load(&sr->wait_epoch) != epoch)
+        return rv;
+    /* A consistent snapshot: what it holds is what rank r wrote, or garbage. */
+    shm_watch *s = &rv->snap;
+    if (s->nops > SHM_WATCH_OPS || s->wait_index < -2 || s->wait_index >= (int32_t)s->nops || s->wait_lane < 0 ||
+        s->wait_lane >= g->v->nlanes) {
+        found_corrupt(g, "rank %d's published wait: nops = %u, wait_index = %d, wait_lane = %d", r, s->nops,
+                      s->wait_index, s->wait_lane);
+        return rv;
+    }
+    for (uint32_t i = 0; i < s->nops; i++) {
+        const shm_watch_op *o = &s->ops[i];
+        if ((o->kind != MP_SEND && o->kind != MP_RECV) || o->peer < 0 || o->peer >= g->v->size || o->lane < 0 ||
+            o->lane >= g->v->nlanes || o->dtype < 0 || o->dtype >= MP_NUM_DTYPES || o->label < 0 ||
+            o->label >= MP_NUM_LABELS) {
+            found_corrupt(g, "rank %d's published op #%u: kind %d, peer %d, lane %d, dtype %d, label %d", r, i,
+                          o->kind, o->peer, o->lane, o->dtype, o->label);
+            return rv;
+        }
+        s->ops[i].call[sizeof s->ops[i].call - 1] = '\0';
+    }
+    rv->state = 1;
+    return rv;
+}
+
+/* A channel's counters, read in the order they are written: finished <= made active (or
+ * published) <= issued. Returns 0 and reports when they are not. */
+static int counters_valid(graph *g, const char *what, int lane, int src, int dst, _Atomic uint64_t *done,
+                          _Atomic uint64_t *active, _Atomic uint64_t *issued)
+{
+    uint64_t d = atomic_load(done), a = atomic_load(active), i = atomic_load(issued);
+    if (d <= a && a <= i)
+        return 1;
+    found_corrupt(g, "channel (lane %d, %d->%d): %llu done, %llu %s, %llu issued", lane, src, dst,
+                  (unsigned long long)d, (unsigned long long)a, what, (unsigned long long)i);
+    return 0;
+}
+
+static int op_complete(const graph *g, int r, const shm_watch_op *o)
+{
+    if (o->kind == MP_SEND) {
+        shm_chan *ch = chan(g->v, o->lane, r, o->peer);
+        if (is_eager(g, o) && atomic_load(&ch->posted) > o->seq)
+            return 1;
+        return atomic_load(&ch->done) > o->seq;
+    }
+    return atomic_load(&chan(g->v, o->lane, o->peer, r)->done) > o->seq;
+}
+
+/* Where an incomplete op of rank r waits: -1 when its partner is posted (it progresses) or
+ * nothing is known of the peer, else the peer's node that must move first. */
+static int blocker(graph *g, int r, const shm_watch_op *o, int *issued, uint64_t *count)
+{
+    int p = o->peer;
+    if (p == r)
+        return -1; /* self pairs share a group and complete together */
+    uint64_t need = o->seq;
+    int active;
+    if (o->kind == MP_SEND) {
+        shm_chan *ch = chan(g->v, o->lane, r, p);
+        if (!counters_valid(g, "receive(s) active", o->lane, r, p, &ch->done, &ch->recv_posted, &ch->recv_issued))
+            return -1;
+        if (is_eager(g, o)) {
+            /* A buffered send waits only for a free descriptor slot: receive seq - SHM_NSLOTS done. */
+            if (o->seq < SHM_NSLOTS || atomic_load(&ch->done) > o->seq - SHM_NSLOTS)
+                return -1;
+            need = o->seq - SHM_NSLOTS;
+            active = 0;
+        } else {
+            active = atomic_load(&ch->recv_posted) > need;
+        }
+        *count = atomic_load(&ch->recv_issued);
+    } else {
+        shm_chan *ch = chan(g->v, o->lane, p, r);
+        if (!counters_valid(g, "published", o->lane, p, r, &ch->done, &ch->posted, &ch->send_issued))
+            return -1;
+        active = atomic_load(&ch->posted) > need;
+        *count = atomic_load(&ch->send_issued);
+    }
+    if (active)
+        return -1;
+    *issued = *count > need;
+    if (view_of(g, p)->state != 1)
+        return -1; /* the peer is computing, or moving: it may still post */
+    return p * NODE_KINDS + (*issued ? o->lane : NODE_WAIT);
+}
+
+/* The incomplete ops of rank r's head step on `lane`, as indices into its snapshot. */
+static int head_ops(graph *g, int r, int lane, int *out)
+{
+    const shm_watch *s = &g->views[r].snap;
+    int n = 0;
+    int64_t head = -1;
+    for (uint32_t i = 0; i < s->nops; i++) {
+        const shm_watch_op *o = &s->ops[i];
+        if (o->lane != lane || (head >= 0 && (int64_t)o->step != head) || op_complete(g, r, o))
+            continue;
+        head = (int64_t)o->step;
+        out[n++] = (int)i;
+    }
+    return n;
+}
+
+static void compute_edges(graph *g, int node)
+{
+    int r = node / NODE_KINDS, kind = node % NODE_KINDS;
+    int *to = &g->to[(size_t)node * SHM_WATCH_OPS], *via = &g->via[(size_t)node * SHM_WATCH_OPS];
+    g->nedges[node] = 0;
+    rank_view *rv = view_of(g, r);
+    if (rv->state != 1)
+        return;
+    const shm_watch *s = &rv->snap;
+    int deps[SHM_WATCH_OPS], ndeps;
+    if (kind == NODE_WAIT) {
+        if (s->wait_index == -2)
+            return; /* several threads wait: any of them may return and post */
+        ndeps = head_ops(g, r, s->wait_lane, deps);
+        if (s->wait_index >= 0) {
+            const shm_watch_op *x = &s->ops[s->wait_index];
+            if (op_complete(g, r, x))
+                return;
+            for (int i = 0; i < ndeps; i++)
+                if (deps[i] == s->wait_index) {
+                    deps[0] = s->wait_index; /* in the head step it needs only its own partner */
+                    ndeps = 1;
+                    break;
+                }
+        }
+    } else {
+        ndeps = head_ops(g, r, kind, deps);
+    }
+    for (int i = 0; i < ndeps; i++) {
+        int issued = 0;
+        uint64_t count = 0;
+        int target = blocker(g, r, &s->ops[deps[i]], &issued, &count);
+        if (target < 0)
+            continue;
+        to[g->nedges[node]] = target;
+        via[g->nedges[node]] = deps[i];
+        g->nedges[node]++;
+    }
+}
+
+/* The cycle on the DFS stack from `from` to `top`; each node left it by its last edge taken. */
+static shm_cycle *make_cycle(graph *g, const int *stack, const int *next_edge, int from, int top)
+{
+    int n = top - from + 1;
+    shm_cycle *c = malloc(sizeof *c + sizeof(cycle_edge) * (size_t)n);
+    if (!c)
+        return NULL;
+    c->n = n;
+    for (int i = 0; i < n; i++) {
+        int node = stack[from + i];
+        size_t e = (size_t)node * SHM_WATCH_OPS + (size_t)(next_edge[node] - 1);
+        cycle_edge *ce = &c->edges[i];
+        ce->rank = node / NODE_KINDS;
+        ce->node_kind = node % NODE_KINDS;
+        ce->epoch = g->views[ce->rank].snap.epoch;
+        ce->op = g->views[ce->rank].snap.ops[g->via[e]];
+        ce->next = g->to[e] / NODE_KINDS;
+        ce->partner_issued = 0;
+        ce->partner_count = 0;
+        blocker(g, ce->rank, &ce->op, &ce->partner_issued, &ce->partner_count);
+    }
+    /* Start at the lowest rank, so that every rank words one cycle alike. */
+    int first = 0;
+    for (int i = 1; i < n; i++)
+        if (c->edges[i].rank < c->edges[first].rank)
+            first = i;
+    cycle_edge *rotated = malloc(sizeof(cycle_edge) * (size_t)n);
+    if (rotated) {
+        for (int i = 0; i < n; i++)
+            rotated[i] = c->edges[(first + i) % n];
+        memcpy(c->edges, rotated, sizeof(cycle_edge) * (size_t)n);
+        free(rotated);
+    }
+    return c;
+}
+
+shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold, char *corrupt, size_t corrupt_len)
+{
+    size_t nodes = (size_t)v->size * NODE_KINDS;
+    graph g = {.v = v, .eager = eager_threshold, .corrupt = corrupt, .corrupt_len = corrupt_len};
+    if (corrupt_len)
+        corrupt[0] = '\0';
+    g.views = calloc((size_t)v->size, sizeof *g.views);
+    g.nedges = malloc(nodes * sizeof(int));
+    g.to = malloc(nodes * SHM_WATCH_OPS * sizeof(int));
+    g.via = malloc(nodes * SHM_WATCH_OPS * sizeof(int));
+    int *color = calloc(nodes, sizeof(int));
+    int *next_edge = calloc(nodes, sizeof(int));
+    int *stack = malloc(nodes * sizeof(int));
+    shm_cycle *found = NULL;
+    if (!g.views || !g.nedges || !g.to || !g.via || !color || !next_edge || !stack)
+        goto done;
+    for (size_t i = 0; i < nodes; i++)
+        g.nedges[i] = -1;
+
+    int top = 0, start = me * NODE_KINDS + NODE_WAIT;
+    stack[0] = start;
+    color[start] = 1;
+    while (top >= 0 && !found && !(corrupt_len && corrupt[0])) {
+        int node = stack[top];
+        if (g.nedges[node] < 0)
+            compute_edges(&g, node);
+        if (next_edge[node] >= g.nedges[node]) {
+            color[node] = 2;
+            top--;
+            continue;
+        }
+        int target = g.to[(size_t)node * SHM_WATCH_OPS + next_edge[node]++];
+        if (color[target] == 0) {
+            color[target] = 1;
+            stack[++top] = target;
+        } else if (color[target] == 1) {
+            int from = top;
+            while (stack[from] != target)
+                from--;
+            found = make_cycle(&g, stack, next_edge, from, top);
+        }
+    }
+done:
+    if (found && corrupt_len && corrupt[0]) {
+        free(found); /* built from a segment known to hold garbage */
+        found = NULL;
+    }
+    free(g.views);
+    free(g.nedges);
+    free(g.to);
+    free(g.via);
+    free(color);
+    free(next_edge);
+    free(stack);
+    return found;
+}
+
+int shm_cycle_same(const shm_cycle *a, const shm_cycle *b)
+{
+    if (!a || !b || a->n != b->n)
+        return 0;
+    for (int i = 0; i < a->n; i++) {
+        const cycle_edge *x = &a->edges[i], *y = &b->edges[i];
+        if (x->rank != y->rank || x->node_kind != y->node_kind || x->next != y->next || x->epoch != y->epoch ||
+            x->op.kind != y->op.kind || x->op.peer != y->op.peer || x->op.lane != y->op.lane ||
+            x->op.seq != y->op.seq)
+            return 0;
+    }
+    return 1;
+}
+
+void shm_cycle_free(shm_cycle *c) { free(c); }
+
+static int append(char *buf, size_t len, int n, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
+static int append(char *buf, size_t len, int n, const char *fmt, ...)
+{
+    if (n < 0 || (size_t)n >= len)
+        return n;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(buf + n, len - (size_t)n, fmt, ap);
+    va_end(ap);
+    return k < 0 ? n : n + k;
+}
+
+static int global(const shm_view *v, int r) { return shm_rank_at(v, r)->global_rank; }
+
+static void format_report(const shm_view *v, const shm_cycle *c, const pid_t *pids, char *buf, size_t len)
+{
+    int n = append(buf, len, 0, "deadlock: ranks");
+    for (int i = 0; i < c->n; i++)
+        n = append(buf, len, n, " %d ->", global(v, c->edges[i].rank));
+    n = append(buf, len, n, " %d are each blocked in a wait that needs the next one to post an op it has not "
+               "posted; this wait-for cycle can never resolve:", global(v, c->edges[0].rank));
+    for (int i = 0; i < c->n; i++) {
+        const cycle_edge *e = &c->edges[i];
+        const shm_watch_op *o = &e->op;
+        int send = o->kind == MP_SEND;
+        n = append(buf, len, n, "\n  rank %d (pid %d) is blocked on %s %s rank %d: %llu bytes of %s, lane %d, message #%llu",
+                   global(v, e->rank), (int)pids[e->rank], mp_label_name((mp_label)(o->label % MP_NUM_LABELS)),
+                   send ? "to" : "from", global(v, o->peer), (unsigned long long)o->nbytes,
+                   mp_dtype_name(o->dtype), o->lane, (unsigned long long)o->seq);
+        if (o->call[0])
+            n = append(buf, len, n, ", posted by %s", o->call);
+        if (e->partner_issued)
+            n = append(buf, len, n, "; rank %d has posted the matching %s, but it is queued on lane %d behind rank "
+                       "%d's own blocked op", global(v, e->next), send ? "receive" : "send", o->lane, global(v, e->next));
+        else
+            n = append(buf, len, n, "; rank %d has posted only %llu %s %s rank %d on lane %d and is blocked in a wait",
+                       global(v, e->next), (unsigned long long)e->partner_count, send ? "receive(s)" : "send(s)",
+                       send ? "from" : "to", global(v, e->rank), o->lane);
+    }
+}
+
+int shm_cycle_fence(const shm_view *v, const shm_cycle *c, const pid_t *pids)
+{
+    shm_header *h = shm_hdr(v);
+    uint32_t free_lock = 0;
+    if (!atomic_compare_exchange_strong(&h->detect_lock, &free_lock, (uint32_t)c->edges[0].rank + 1))
+        return 0;
+    int fenced = 0;
+    for (int i = 0; i < c->n; i++)
+        if (atomic_load(&shm_rank_at(v, c->edges[i].rank)->fence))
+            goto unlock; /* reported already; its fence fails the rest */
+    uint32_t value = SHM_REPORTS + 1; /* every report area used: the ranks fail without one */
+    if (h->reports_used < SHM_REPORTS) {
+        char *area = shm_report_at(v, h->reports_used);
+        format_report(v, c, pids, area, SHM_REPORT_BYTES);
+        value = ++h->reports_used;
+    }
+    uint32_t count = 0;
+    for (int i = 0; i < c->n; i++) {
+        uint32_t none = 0;
+        if (atomic_compare_exchange_strong(&shm_rank_at(v, c->edges[i].rank)->fence, &none, value))
+            count++;
+    }
+    atomic_fetch_add(&h->fenced, count);
+    fenced = 1;
+unlock:
+    atomic_store(&h->detect_lock, 0);
+    return fenced;
+}
+
+void shm_deadlock_report(const shm_view *v, uint32_t fence, char *buf, size_t len)
+{
+    if (!len)
+        return;
+    if (fence == 0 || fence > SHM_REPORTS) {
+        snprintf(buf, len, "deadlock: a wait-for cycle was found, but its report was not kept (more than %u "
+                 "cycles in this communicator)", SHM_REPORTS);
+        return;
+    }
+    size_t n = len - 1 < SHM_REPORT_BYTES - 1 ? len - 1 : SHM_REPORT_BYTES - 1;
+    memcpy(buf, shm_report_at(v, fence - 1), n); /* a peer's text: bounded and terminated here */
+    buf[n] = '\0';
+}
