@@ -63,6 +63,13 @@ class _Watched:
         self.publish = publish
         self.relayed = relayed
 
+    def open(self) -> bool:
+        """Whether its communicator is alive and not closed. A method, so that no reference to it
+        outlives the call (a walrus in _run's comprehension would bind one in _run's frame for as
+        long as the thread runs, and keep the last communicator from being freed)."""
+        comm = self.comm()
+        return comm is not None and not comm.closed
+
 
 class Watchdog:
     """The process's watchdog thread and the communicators it watches (see the module's text)."""
@@ -96,7 +103,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stopping.is_set():
             with self._lock:
-                self._watched = [w for w in self._watched if (c := w.comm()) is not None and not c.closed]
+                self._watched = [w for w in self._watched if w.open()]
                 watched = list(self._watched)
                 if not watched:
                     self._thread = None

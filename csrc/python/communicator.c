@@ -12,9 +12,34 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return mp_comm_create(type, args, kwargs, NULL, NULL);
 }
 
+/* The cyclic GC sees what a Communicator holds: its in-flight Requests hold it back, and its hooks
+ * may too (a dump that closes over it). */
+static int comm_traverse(CommObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->inflight);
+    Py_VISIT(self->stream_fn);
+    Py_VISIT(self->on_abort);
+    Py_VISIT(self->on_error);
+    return 0;
+}
+
+/* Breaks a cycle through an unreachable Communicator: shutting down finishes every op, so pruning
+ * empties the in-flight list (no Request is ever dropped while the transport may still use it),
+ * and the hooks go. Nothing can be inside the transport: a caller there would hold a reference. */
+static int comm_clear(CommObject *self)
+{
+    mp_comm_shutdown(self);
+    Py_CLEAR(self->stream_fn);
+    Py_CLEAR(self->on_abort);
+    Py_CLEAR(self->on_error);
+    return 0;
+}
+
 static void comm_dealloc(CommObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     if (self->weakrefs)
         PyObject_ClearWeakRefs((PyObject *)self);
     mp_comm_shutdown(self);
@@ -145,6 +170,8 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_new, comm_new},
     {Py_tp_members, comm_members},
     {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_traverse, comm_traverse},
+    {Py_tp_clear, comm_clear},
     {Py_tp_methods, comm_methods},
     {Py_tp_getset, mp_comm_getset},
     {Py_tp_doc, "Communicator(backend, unique_id, group_rank, ranks, *, lanes=2, eager_threshold=0, timeout=300.0, "
@@ -156,6 +183,6 @@ static PyType_Slot comm_slots[] = {
 PyType_Spec mp_communicator_spec = {
     .name = "megatron_p2p._C.Communicator",
     .basicsize = sizeof(CommObject),
-    .flags = Py_TPFLAGS_DEFAULT,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .slots = comm_slots,
 };

@@ -17,7 +17,7 @@ RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffe
     PyObject *storage = mp_tensor_attr_get(comm->state, tensor, MP_ATTR_UNTYPED_STORAGE);
     if (!storage)
         return NULL;
-    RequestObject *req = PyObject_New(RequestObject, comm->state->RequestType);
+    RequestObject *req = PyObject_GC_New(RequestObject, comm->state->RequestType);
     if (!req) {
         Py_DECREF(storage);
         return NULL;
@@ -32,16 +32,28 @@ RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffe
     req->op.buf = buf->ptr;
     req->op.nbytes = buf->nbytes;
     req->op.dtype = buf->dtype;
+    PyObject_GC_Track(req);
     return req;
+}
+
+/* No tp_clear: a Request's tensor must outlive its op, so the Communicator breaks their cycle. */
+static int request_traverse(RequestObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->comm);
+    Py_VISIT(self->tensor);
+    Py_VISIT(self->storage);
+    return 0;
 }
 
 static void request_dealloc(RequestObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     Py_XDECREF(self->tensor);
     Py_XDECREF(self->storage);
     Py_XDECREF(self->comm);
-    PyObject_Free(self);
+    PyObject_GC_Del(self);
     Py_DECREF(tp);
 }
 
@@ -262,6 +274,7 @@ static PyMethodDef request_methods[] = {
 
 static PyType_Slot request_slots[] = {
     {Py_tp_dealloc, request_dealloc},
+    {Py_tp_traverse, request_traverse},
     {Py_tp_repr, request_repr},
     {Py_tp_methods, request_methods},
     {Py_tp_getset, request_getset},
@@ -272,6 +285,6 @@ static PyType_Slot request_slots[] = {
 PyType_Spec mp_request_spec = {
     .name = "megatron_p2p._C.Request",
     .basicsize = sizeof(RequestObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_HAVE_GC,
     .slots = request_slots,
 };
