@@ -98,7 +98,7 @@ static mp_result async_error_locked(nccl_t *n, char *detail, size_t len)
             continue;
         if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
             snprintf(detail, len, "NCCL reported an asynchronous error on lane %d: %s", l,
-                     nccl_error(n, n->lanes[l].comm, state));
+                     nccl_error(n, n->lanes[l].comm, state).text);
             return nccl_cause_of(state);
         }
     }

@@ -68,7 +68,11 @@ typedef struct {
 
 /* nccl_lifecycle.c */
 const char *nccl_cu_error(nccl_t *n, mp_CUresult r);
-const char *nccl_error(nccl_t *n, mp_ncclComm_t comm, mp_ncclResult_t r);
+typedef struct {
+    char text[MP_DETAIL_LEN];
+} nccl_why;
+/* An NCCL result as a report's words (nccl_lifecycle.c). */
+nccl_why nccl_error(nccl_t *n, mp_ncclComm_t comm, mp_ncclResult_t r);
 mp_CUresult nccl_enter(nccl_t *n, mp_CUcontext *saved);
 void nccl_leave(nccl_t *n, mp_CUcontext saved);
 mp_result nccl_cause_of(mp_ncclResult_t r);

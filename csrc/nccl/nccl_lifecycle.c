@@ -17,10 +17,28 @@ const char *nccl_cu_error(nccl_t *n, mp_CUresult r)
     return s;
 }
 
-const char *nccl_error(nccl_t *n, mp_ncclComm_t comm, mp_ncclResult_t r)
+/* An NCCL result as a report: the result code's own string, then NCCL's last error message only
+ * as possibly unrelated. ncclGetLastError ignores its comm and returns one buffer for the whole
+ * process, which every warning of any communicator or thread overwrites and nothing clears
+ * (NCCL 2.30: src/init.cc ncclGetLastError, src/debug.cc ncclDebugLogV), so it may describe an
+ * earlier call or another communicator. Returned by value: `nccl_error(...).text` lives until the
+ * end of the caller's full expression (C11 6.2.4), so no buffer outlives the report. */
+nccl_why nccl_error(nccl_t *n, mp_ncclComm_t comm, mp_ncclResult_t r)
 {
-    const char *last = n->nccl->GetLastError && comm ? n->nccl->GetLastError(comm) : NULL;
-    return last && last[0] ? last : n->nccl->GetErrorString(r);
+    nccl_why why;
+    const char *code = r == MP_NCCL_TIMEOUT       ? "timed out" /* the package's own outcomes */
+                     : r == MP_NCCL_ABORTED       ? "the communicator was aborted"
+                     : r == MP_NCCL_INTERRUPTED   ? "interrupted"
+                                                  : n->nccl->GetErrorString(r);
+    if (!code)
+        code = "unknown NCCL result";
+    const char *last = n->nccl->GetLastError ? n->nccl->GetLastError(comm) : NULL;
+    if (last && last[0])
+        snprintf(why.text, sizeof why.text, "%s (NCCL's last error message, which may come from another call: %.200s)",
+                 code, last);
+    else
+        snprintf(why.text, sizeof why.text, "%s", code);
+    return why;
 }
 
 /* The package's failure for an NCCL result: a remote error means a peer failed. */
@@ -232,7 +250,7 @@ static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
                 r = nccl_settle(n, lane->comm, deadline, 0);
         }
         if (r != MP_NCCL_SUCCESS) {
-            snprintf(err, errlen, "warming up lane %d failed: %s", l, nccl_error(n, lane->comm, r));
+            snprintf(err, errlen, "warming up lane %d failed: %s", l, nccl_error(n, lane->comm, r).text);
             return nccl_cause_of(r);
         }
         mp_CUresult c = n->cu->EventRecord(n->ready, lane->stream);
@@ -303,7 +321,7 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
         mp_ncclResult_t r = n->nccl->CommInitRankConfig(&n->lanes[l].comm, cfg->size, cfg->ids[l], cfg->rank, &config);
         if (r != MP_NCCL_SUCCESS && r != MP_NCCL_IN_PROGRESS) {
             snprintf(err, errlen, "ncclCommInitRankConfig for lane %d failed: %s", l,
-                     nccl_error(n, n->lanes[l].comm, r));
+                     nccl_error(n, n->lanes[l].comm, r).text);
             return MP_ERR_SYSTEM;
         }
     }
@@ -311,9 +329,9 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
         mp_ncclResult_t r = nccl_settle(n, n->lanes[l].comm, deadline, 0);
         if (r != MP_NCCL_SUCCESS) {
             snprintf(err, errlen, r == MP_NCCL_TIMEOUT ? "lane %d: not every rank joined the NCCL communicator in "
-                                                         "time (%s)"
+                                                         "time: %s"
                                                        : "lane %d: NCCL initialisation failed: %s",
-                     l, nccl_error(n, n->lanes[l].comm, r));
+                     l, nccl_error(n, n->lanes[l].comm, r).text);
             return nccl_cause_of(r);
         }
     }

@@ -171,8 +171,8 @@ static mp_result check_step(nccl_t *n, const mp_step *step, char *detail, size_t
     if (r == MP_NCCL_SUCCESS)
         r = end;
     if (r != MP_NCCL_SUCCESS) {
-        snprintf(detail, len, "debug matching: NCCL failed to issue the descriptors on lane %d: %s", step->lane,
-                 nccl_error(n, lane->comm, r));
+        snprintf(detail, len, "debug matching: NCCL failed to issue the descriptors on lane %d: %.180s", step->lane,
+                 nccl_error(n, lane->comm, r).text);
         return nccl_cause_of(r);
     }
     c = n->cu->MemcpyDtoHAsync(in, dev_in, (size_t)step->nops * size, lane->stream);
@@ -276,7 +276,8 @@ mp_result nccl_post(mp_transport *t, mp_step *step)
     nccl_leave(n, saved);
     if (r != MP_NCCL_SUCCESS && r != MP_NCCL_ABORTED) {
         char detail[256];
-        snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %s", l, nccl_error(n, lane->comm, r));
+        snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %.200s", l,
+                 nccl_error(n, lane->comm, r).text);
         nccl_abort_locked(n, nccl_cause_of(r), t->rank, detail);
     }
     pthread_mutex_unlock(&n->lock);

@@ -20,10 +20,13 @@
  *     NCCL). Ops are numbered when their kernel runs, so each replay matches the peer's replay
  *     in order; every rank must launch its graph as many times, or the unmatched ops stall.
  * What NCCL leaves undefined fails loudly here: a count or datatype that differs between a send
- * and its receive is an asynchronous error on both ranks (ncclInvalidUsage, the ranks named by
- * ncclGetLastError) and the kernels stall until aborted, as a real mismatch stalls; calls with
- * no current CUDA context, or on a communicator still initialising or aborted, or unbalanced
- * ncclGroupStart/End, return ncclInvalidUsage (or ncclUnhandledCudaError) with a message.
+ * and its receive is an asynchronous error on both ranks (ncclInvalidUsage, the ranks named in
+ * the last error) and the kernels stall until aborted, as a real mismatch stalls; calls with
+ * no current CUDA context, or on a communicator that was aborted, return ncclUnhandledCudaError
+ * or ncclInvalidUsage with a message. As NCCL: unbalanced ncclGroupStart/End is ncclInvalidUsage,
+ * a call on a communicator still in progress ncclInvalidArgument, one in error that error.
+ * Every message goes to the one process-wide last error, as NCCL's warnings do (see log_warning).
+ * docs/nccl-model.md lists each modelled behaviour with the NCCL or CUDA source it follows.
  *
  * Fault injection (environment, read at ncclCommInitRankConfig):
  *   MPFAKE_NCCL_INIT_IN_PROGRESS_MS=N  nonblocking init stays in progress a random 0..N ms (default 20)
@@ -32,6 +35,9 @@
  *   MPFAKE_NCCL_DELAY_MS=N             each kernel waits N ms before it starts (slow kernels)
  *   MPFAKE_NCCL_ASYNC_ERROR_AFTER=N    after N completed ops on a communicator, it reports an async
  *   MPFAKE_NCCL_ASYNC_ERROR_CODE=C     error C (default 6, ncclRemoteError) and its kernels stall
+ *   MPFAKE_NCCL_ASYNC_ERROR_QUIET=1    ... and logs no warning for it: the last error stays what it was,
+ *                                      as when NCCL's progress thread fails (src/proxy.cc:
+ *                                      ncclProxyProgress stores the result and logs it at INFO only)
  *   MPFAKE_NCCL_SILENT_RANK=R          rank R of every communicator never posts its ops ...
  *   MPFAKE_NCCL_SILENT_AFTER=N         ... after its first N (default 0) on that communicator
  *   MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER=N  ... only after a communicator's first N groups (default 0)
@@ -111,7 +117,7 @@ typedef struct {
     long group_in_progress_after;
     int group_in_progress_every;
     long async_error_after;
-    int async_error_code;
+    int async_error_code, async_error_quiet;
     int silent_rank;
     long silent_after;
 } faults;
@@ -136,7 +142,7 @@ typedef struct ncclComm {
     struct launch *pending;    /* an in-progress ncclGroupEnd's work, launched when it settles */
     struct timespec pending_until;
     faults f;
-    char last_error[256];
+    _Atomic int mismatch_logged; /* the segment's mismatch, logged when this rank first saw it */
     pthread_t init_thread;
 } comm_t;
 
@@ -181,20 +187,30 @@ static _Thread_local int group_depth;
 static _Thread_local op_t *group_ops;
 static _Thread_local int group_nops;
 static _Thread_local ncclResult_t group_error;
-static _Thread_local char thread_error[256];
 static unsigned random_state;
 
-static void set_error(comm_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void set_error(comm_t *c, const char *fmt, ...)
+/* The last error, as NCCL keeps it: one buffer for the whole process (src/debug.cc: the global
+ * ncclLastError), which every WARN-level message overwrites, whichever communicator or thread
+ * logged it (src/debug.cc: ncclDebugLogV copies each WARN into it under the log's mutex), and
+ * which nothing ever clears: a later successful call leaves it as it was. So it may describe an
+ * earlier call or another communicator than the one a caller asks about (src/init.cc:
+ * ncclGetLastError ignores its comm). Every error the model reports is logged here. */
+static pthread_mutex_t last_error_lock = PTHREAD_MUTEX_INITIALIZER;
+static char last_error[1024];
+
+static void log_warning(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void log_warning(const char *fmt, ...)
 {
+    char text[sizeof last_error];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(thread_error, sizeof thread_error, fmt, ap);
+    vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
-    if (c)
-        snprintf(c->last_error, sizeof c->last_error, "%s", thread_error);
+    pthread_mutex_lock(&last_error_lock);
+    snprintf(last_error, sizeof last_error, "%s", text);
+    pthread_mutex_unlock(&last_error_lock);
     if (getenv("MPFAKE_NCCL_VERBOSE"))
-        fprintf(stderr, "fake libnccl: %s\n", thread_error);
+        fprintf(stderr, "fake libnccl: %s\n", text);
 }
 
 static void sleep_ms(double ms)
@@ -304,33 +320,34 @@ const char *ncclGetErrorString(ncclResult_t r)
     }
 }
 
+/* src/init.cc: ncclGetLastError returns the process's one buffer, whatever `comm` is (NULL too). */
 const char *ncclGetLastError(comm_t *comm)
 {
-    return comm && comm->last_error[0] ? comm->last_error : thread_error;
+    (void)comm;
+    return last_error;
 }
 
 /* A usable communicator, or the error its use is. */
 static ncclResult_t usable(comm_t *c, const char *call)
 {
     if (!c) {
-        set_error(NULL, "%s: communicator is NULL", call);
+        log_warning("%s: communicator is NULL", call);
         return ncclInvalidArgument;
     }
     if (!c->alive) {
-        set_error(c, "%s on a communicator that was aborted", call);
+        log_warning("%s on a communicator that was aborted", call);
         return ncclInvalidUsage;
     }
+    /* src/init.cc: ncclCommEnsureReady (ncclEnqueueCheck's check, src/enqueue.cc): a communicator
+     * still in progress is refused with a warning and ncclInvalidArgument; one in error returns
+     * that error as it is, and logs nothing. */
     int state = atomic_load(&c->state);
     if (state == ncclInProgress) {
-        set_error(c, "%s on a nonblocking communicator still in progress: poll ncclCommGetAsyncError until it "
-                  "returns ncclSuccess first", call);
-        return ncclInvalidUsage;
+        log_warning("%s on a nonblocking communicator still in progress: poll ncclCommGetAsyncError until it "
+                    "returns ncclSuccess first", call);
+        return ncclInvalidArgument;
     }
-    if (state != ncclSuccess) {
-        set_error(c, "%s on a communicator in error (%s)", call, ncclGetErrorString(state));
-        return ncclInvalidUsage;
-    }
-    return ncclSuccess;
+    return (ncclResult_t)state;
 }
 
 /* ---- init ------------------------------------------------------------------------------------ */
@@ -345,38 +362,38 @@ static ncclResult_t join(comm_t *c)
 {
     int fd = shm_open(c->name, O_CREAT | O_RDWR, 0600);
     if (fd < 0) {
-        set_error(c, "shm_open(%s): %s", c->name, strerror(errno));
+        log_warning("shm_open(%s): %s", c->name, strerror(errno));
         return ncclSystemError;
     }
     c->seg_bytes = segment_bytes(c->nranks);
     struct stat st;
     if (fstat(fd, &st) < 0 || ((size_t)st.st_size < c->seg_bytes && ftruncate(fd, (off_t)c->seg_bytes) < 0)) {
-        set_error(c, "sizing %s: %s", c->name, strerror(errno));
+        log_warning("sizing %s: %s", c->name, strerror(errno));
         close(fd);
         return ncclSystemError;
     }
     if ((size_t)st.st_size > c->seg_bytes) {
-        set_error(c, "rank %d joined with nranks %d, but another rank created the communicator larger", c->rank,
-                  c->nranks);
+        log_warning("rank %d joined with nranks %d, but another rank created the communicator larger", c->rank,
+                    c->nranks);
         close(fd);
         return ncclInvalidUsage;
     }
     void *p = mmap(NULL, c->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (p == MAP_FAILED) {
-        set_error(c, "mmap(%s): %s", c->name, strerror(errno));
+        log_warning("mmap(%s): %s", c->name, strerror(errno));
         return ncclSystemError;
     }
     segment *s = c->seg = p;
     int expected = 0;
     if (!atomic_compare_exchange_strong(&s->nranks, &expected, c->nranks) && expected != c->nranks) {
-        set_error(c, "rank %d joined with nranks %d, but the communicator has %d ranks", c->rank, c->nranks,
-                  expected);
+        log_warning("rank %d joined with nranks %d, but the communicator has %d ranks", c->rank, c->nranks,
+                    expected);
         return ncclInvalidUsage;
     }
     uint64_t bit = 1ull << c->rank;
     if (atomic_fetch_or(&s->joined, bit) & bit) {
-        set_error(c, "rank %d joined the communicator twice (one unique id used for two communicators?)", c->rank);
+        log_warning("rank %d joined the communicator twice (one unique id used for two communicators?)", c->rank);
         return ncclInvalidUsage;
     }
     if (atomic_fetch_add(&s->attached, 1) + 1 == c->nranks)
@@ -405,12 +422,12 @@ ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, i
         return ncclInvalidArgument;
     *out = NULL;
     if (nranks < 1 || nranks > MAX_RANKS || rank < 0 || rank >= nranks) {
-        set_error(NULL, "ncclCommInitRankConfig: rank %d of %d ranks is out of range (the model allows %d ranks)",
-                  rank, nranks, MAX_RANKS);
+        log_warning("ncclCommInitRankConfig: rank %d of %d ranks is out of range (the model allows %d ranks)",
+                    rank, nranks, MAX_RANKS);
         return ncclInvalidArgument;
     }
     if (strncmp(id.internal, ID_MAGIC " /", sizeof ID_MAGIC + 1) != 0 || !memchr(id.internal, 0, sizeof id.internal)) {
-        set_error(NULL, "ncclCommInitRankConfig: the unique id did not come from ncclGetUniqueId");
+        log_warning("ncclCommInitRankConfig: the unique id did not come from ncclGetUniqueId");
         return ncclInvalidArgument;
     }
     int blocking = 1;
@@ -421,14 +438,14 @@ ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, i
             int blocking;
         } *prefix = config;
         if (prefix->magic != CONFIG_MAGIC || prefix->size < sizeof *prefix) {
-            set_error(NULL, "ncclCommInitRankConfig: config was not made by NCCL_CONFIG_INITIALIZER");
+            log_warning("ncclCommInitRankConfig: config was not made by NCCL_CONFIG_INITIALIZER");
             return ncclInvalidArgument;
         }
         blocking = prefix->blocking != 0;
     }
     CUcontext ctx = mpfake_current_context();
     if (!ctx) {
-        set_error(NULL, "ncclCommInitRankConfig: no current CUDA context on this thread");
+        log_warning("ncclCommInitRankConfig: no current CUDA context on this thread");
         return ncclUnhandledCudaError;
     }
     comm_t *c = calloc(1, sizeof *c);
@@ -447,6 +464,7 @@ ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, i
     c->f.delay_ms = (int)env_long("MPFAKE_NCCL_DELAY_MS", 0);
     c->f.async_error_after = env_long("MPFAKE_NCCL_ASYNC_ERROR_AFTER", -1);
     c->f.async_error_code = (int)env_long("MPFAKE_NCCL_ASYNC_ERROR_CODE", ncclRemoteError);
+    c->f.async_error_quiet = env_long("MPFAKE_NCCL_ASYNC_ERROR_QUIET", 0) != 0;
     c->f.silent_rank = (int)env_long("MPFAKE_NCCL_SILENT_RANK", -1);
     c->f.silent_after = env_long("MPFAKE_NCCL_SILENT_AFTER", 0);
     *out = c;
@@ -477,9 +495,10 @@ static int stalled(comm_t *c)
 static void count_done(comm_t *c)
 {
     long done = atomic_fetch_add(&c->ops_done, 1) + 1;
-    if (c->f.async_error_after >= 0 && done >= c->f.async_error_after && !atomic_exchange(&c->injected, 1))
-        set_error(c, "injected asynchronous error %d after %ld ops on rank %d", c->f.async_error_code, done,
-                  c->rank);
+    if (c->f.async_error_after >= 0 && done >= c->f.async_error_after && !atomic_exchange(&c->injected, 1) &&
+        !c->f.async_error_quiet)
+        log_warning("injected asynchronous error %d after %ld ops on rank %d", c->f.async_error_code, done,
+                    c->rank);
 }
 
 /* One step of a receive; 1 when it is complete. `progress` carries the bytes taken so far. */
@@ -572,7 +591,7 @@ static void run_task(void *arg)
         sleep_ms(c->f.delay_ms);
     op_run *run = calloc((size_t)t->nops, sizeof *run);
     if (!run) {
-        set_error(c, "a kernel could not allocate its state");
+        log_warning("a kernel could not allocate its state");
         atomic_store(&c->state, ncclSystemError);
         return;
     }
@@ -622,33 +641,33 @@ static ncclResult_t add_op(int send, const void *buf, size_t count, int type, in
         return r;
     CUcontext ctx = mpfake_current_context(), stream_ctx = NULL;
     if (!ctx) {
-        set_error(c, "%s: no current CUDA context on this thread", call);
+        log_warning("%s: no current CUDA context on this thread", call);
         return ncclUnhandledCudaError;
     }
     if (ctx != c->ctx || mpfake_stream_context(stream, &stream_ctx) != CUDA_SUCCESS || stream_ctx != c->ctx) {
-        set_error(c, "%s: the current CUDA context or the stream is not the communicator's device's", call);
+        log_warning("%s: the current CUDA context or the stream is not the communicator's device's", call);
         return ncclUnhandledCudaError;
     }
     if (peer < 0 || peer >= c->nranks || !type_size(type) || (!buf && count)) {
-        set_error(c, "%s: invalid argument (peer %d of %d ranks, datatype %d, buffer %p)", call, peer, c->nranks,
-                  type, buf);
+        log_warning("%s: invalid argument (peer %d of %d ranks, datatype %d, buffer %p)", call, peer, c->nranks,
+                    type, buf);
         return ncclInvalidArgument;
     }
     if (group_nops == MAX_GROUP_OPS) {
-        set_error(c, "%s: more than %d ops in one group", call, MAX_GROUP_OPS);
+        log_warning("%s: more than %d ops in one group", call, MAX_GROUP_OPS);
         return ncclInvalidUsage;
     }
     CUstreamCaptureStatus status;
     unsigned long long capture = 0;
     if (mpfake_stream_capture(c->ctx, stream, &status, &capture) != CUDA_SUCCESS) {
-        set_error(c, "%s: asking whether the stream is capturing failed", call);
+        log_warning("%s: asking whether the stream is capturing failed", call);
         return ncclUnhandledCudaError;
     }
     for (int i = 0; i < group_nops; i++)
         if (group_ops[i].comm == c && group_ops[i].capture != capture) {
-            set_error(c, "%s: the streams of a communicator in one group must be all uncaptured or all captured by "
-                      "the same capture (this op's capture: %llu, an earlier op's: %llu)", call, capture,
-                      group_ops[i].capture);
+            log_warning("%s: the streams of a communicator in one group must be all uncaptured or all captured by "
+                        "the same capture (this op's capture: %llu, an earlier op's: %llu)", call, capture,
+                        group_ops[i].capture);
             return ncclInvalidUsage;
         }
     if (!group_ops && !(group_ops = malloc(sizeof(op_t) * MAX_GROUP_OPS)))
@@ -677,12 +696,12 @@ static ncclResult_t launch(launch_t *l)
         ncclResult_t r = ncclSuccess;
         CUresult cr = CUDA_SUCCESS;
         if (!capture_unchanged(t, l->streams[i])) {
-            set_error(t->comm, "a group issued while its stream was capturing (capture %llu) was launched after "
-                      "that capture ended: poll ncclCommGetAsyncError until ncclSuccess before ending the capture",
-                      t->ops[0].capture);
+            log_warning("a group issued while its stream was capturing (capture %llu) was launched after "
+                        "that capture ended: poll ncclCommGetAsyncError until ncclSuccess before ending the capture",
+                        t->ops[0].capture);
             r = ncclInvalidUsage;
         } else if ((cr = mpfake_stream_enqueue_owned(t->ops[0].ctx, l->streams[i], run_task, t, free)) != CUDA_SUCCESS) {
-            set_error(t->comm, "launching a kernel on its stream failed (CUDA error %d)", cr);
+            log_warning("launching a kernel on its stream failed (CUDA error %d)", cr);
             r = ncclUnhandledCudaError;
         }
         if (r != ncclSuccess) {
@@ -714,8 +733,8 @@ static ncclResult_t close_group(void)
             if (ops[j].comm == ops[i].comm && ops[j].peer == ops[j].comm->rank)
                 balance += ops[j].send ? 1 : -1;
         if (ops[i].peer == ops[i].comm->rank && balance != 0) {
-            set_error(ops[i].comm, "a self send on rank %d without its receive in the same group (or the reverse)",
-                      ops[i].comm->rank);
+            log_warning("a self send on rank %d without its receive in the same group (or the reverse)",
+                        ops[i].comm->rank);
             return ncclInvalidUsage;
         }
     }
@@ -766,7 +785,7 @@ static ncclResult_t close_group(void)
 ncclResult_t ncclGroupEnd(void)
 {
     if (group_depth == 0) {
-        set_error(NULL, "ncclGroupEnd without ncclGroupStart");
+        log_warning("ncclGroupEnd without ncclGroupStart");
         return ncclInvalidUsage;
     }
     if (--group_depth > 0)
@@ -783,8 +802,10 @@ static ncclResult_t post_op(int is_send, const void *buf, size_t count, int type
         ncclResult_t e = ncclGroupEnd();
         return r != ncclSuccess ? r : e;
     }
+    /* src/include/group.h: ncclGroupErrCheck keeps a failure inside a group for ncclGroupEnd to
+     * return (each later failure replacing it). */
     ncclResult_t r = add_op(is_send, buf, count, type, peer, comm, stream);
-    if (r != ncclSuccess && group_error == ncclSuccess)
+    if (r != ncclSuccess)
         group_error = r;
     return r;
 }
@@ -803,14 +824,18 @@ ncclResult_t ncclRecv(void *buf, size_t count, int type, int peer, comm_t *comm,
 
 ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
 {
-    if (!comm || !error)
+    if (!comm || !error) { /* src/misc/argcheck.cc: CommCheck, PtrCheck warn and refuse a NULL */
+        log_warning("ncclCommGetAsyncError: %s is NULL", comm ? "asyncError" : "comm");
         return ncclInvalidArgument;
+    }
     if (!comm->alive) {
-        set_error(comm, "ncclCommGetAsyncError on a communicator that was aborted");
+        log_warning("ncclCommGetAsyncError on a communicator that was aborted");
         return ncclInvalidUsage;
     }
     pthread_mutex_lock(&lib_lock);
     int state = atomic_load(&comm->state);
+    /* An in-progress group is launched by a poll, as src/init.cc: ncclCommGetAsyncError completes
+     * the communicator's pending group job. */
     if (state == ncclInProgress && comm->seg && comm->pending_until.tv_sec) {
         struct timespec t;
         clock_gettime(CLOCK_MONOTONIC, &t);
@@ -831,7 +856,11 @@ ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
     pthread_mutex_unlock(&lib_lock);
     if (state == ncclSuccess && comm->seg && atomic_load(&comm->seg->error)) {
         state = atomic_load(&comm->seg->error);
-        snprintf(comm->last_error, sizeof comm->last_error, "%s", comm->seg->error_text);
+        /* Logged once, when this rank first learns of it, as a warning is logged where a failure
+         * is found; not at every poll (src/init.cc: ncclCommGetAsyncError only reads the state),
+         * which would overwrite later, unrelated warnings. */
+        if (!atomic_exchange(&comm->mismatch_logged, 1))
+            log_warning("%s", comm->seg->error_text);
     } else if (state == ncclSuccess && atomic_load(&comm->injected)) {
         state = comm->f.async_error_code;
     }
@@ -846,7 +875,7 @@ ncclResult_t ncclCommAbort(comm_t *comm)
     if (!comm)
         return ncclSuccess;
     if (!comm->alive) {
-        set_error(comm, "ncclCommAbort on a communicator that was already aborted");
+        log_warning("ncclCommAbort on a communicator that was already aborted");
         return ncclInvalidUsage;
     }
     pthread_mutex_lock(&lib_lock);

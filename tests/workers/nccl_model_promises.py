@@ -3,6 +3,7 @@ prints one JSON object of observations for tests/test_nccl_model.py. Run in a pr
 since it loads a library named libcuda.so.1."""
 import ctypes
 import json
+import os
 import sys
 import threading
 import time
@@ -64,12 +65,17 @@ nccl.ncclRecv.argtypes = nccl.ncclSend.argtypes
 nccl.ncclCommAbort.argtypes = [p]
 nccl.ncclGetLastError.argtypes = [p]
 nccl.ncclGetLastError.restype = ctypes.c_char_p
-comm = p()
+nccl.ncclCommGetAsyncError.argtypes = [p, ctypes.POINTER(ctypes.c_int)]
+comm, other = p(), p()
 cfg = Config(ctypes.sizeof(Config), 0xcafebeef, 21400, 1)
 assert nccl.ncclCommInitRankConfig(ctypes.byref(comm), 1, uid, 0, ctypes.byref(cfg)) == 0
+other_uid = UniqueId()
+assert nccl.ncclGetUniqueId(ctypes.byref(other_uid)) == 0
+assert nccl.ncclCommInitRankConfig(ctypes.byref(other), 1, other_uid, 0, ctypes.byref(cfg)) == 0
 src = (ctypes.c_uint8 * 8)(*range(8))
 dst = (ctypes.c_uint8 * 8)()
 out["group_end_without_start"] = nccl.ncclGroupEnd()
+out["says_after_group_end_without_start"] = nccl.ncclGetLastError(comm).decode()
 out["lone_self_send"] = nccl.ncclSend(src, 8, 1, 0, comm, a)
 assert nccl.ncclGroupStart() == 0
 nccl.ncclSend(src, 8, 1, 0, comm, a)
@@ -84,4 +90,45 @@ out["send_before_abort"] = nccl.ncclGroupStart(), nccl.ncclSend(src, 8, 1, 0, co
 assert nccl.ncclCommAbort(comm) == 0
 out["send_after_abort"] = nccl.ncclSend(src, 8, 1, 0, comm, a)
 out["after_abort_says"] = nccl.ncclGetLastError(comm).decode()
+
+# NCCL's last error is the process's: the same through any communicator, or none, and a later
+# successful call (a self exchange on the other communicator) leaves it as it was.
+out["says_through_another_comm"] = nccl.ncclGetLastError(other).decode()
+out["says_through_no_comm"] = nccl.ncclGetLastError(None).decode()
+assert nccl.ncclGroupStart() == 0
+nccl.ncclSend(src, 8, 1, 0, other, a)
+nccl.ncclRecv(dst, 8, 1, 0, other, a)
+out["success_after_abort"] = nccl.ncclGroupEnd(), cuda.cuStreamSynchronize(a)
+out["says_after_success"] = nccl.ncclGetLastError(other).decode()
+
+# A call on a communicator still in progress, and on one whose initialisation failed: two
+# nonblocking ranks 0 of one two-rank communicator; the second to join fails, the first waits for
+# a rank 1 that never comes.
+os.environ["MPFAKE_NCCL_INIT_IN_PROGRESS_MS"] = "0"
+two_uid = UniqueId()
+assert nccl.ncclGetUniqueId(ctypes.byref(two_uid)) == 0
+nonblocking = Config(ctypes.sizeof(Config), 0xcafebeef, 21400, 0)
+twins = [p(), p()]
+for twin in twins:
+    assert nccl.ncclCommInitRankConfig(ctypes.byref(twin), 2, two_uid, 0, ctypes.byref(nonblocking)) == 7
+    time.sleep(0.05)
+
+
+def async_state(c: p) -> int:
+    state = ctypes.c_int()
+    assert nccl.ncclCommGetAsyncError(c, ctypes.byref(state)) == 0
+    return state.value
+
+
+deadline = time.monotonic() + 10
+while sorted(async_state(t) != 7 for t in twins) != [False, True] and time.monotonic() < deadline:
+    time.sleep(0.01)
+failed, pending = sorted(twins, key=lambda t: async_state(t) == 7)
+out["joined_twice"] = async_state(failed)
+says_before = nccl.ncclGetLastError(None).decode()
+out["send_on_comm_in_error"] = nccl.ncclSend(src, 8, 1, 0, failed, a)
+out["send_on_comm_in_error_warned"] = nccl.ncclGetLastError(None).decode() != says_before
+out["send_on_comm_in_progress"] = nccl.ncclSend(src, 8, 1, 0, pending, a)
+out["in_progress_says"] = nccl.ncclGetLastError(None).decode()
+assert nccl.ncclCommAbort(failed) == 0 and nccl.ncclCommAbort(pending) == 0
 print(json.dumps(out))
