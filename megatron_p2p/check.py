@@ -1,16 +1,18 @@
 """Offline verdicts on programs: does every rank's sequence of calls complete, deadlock, or pair
 messages whose bytes or dtype disagree?
 
-    python -m megatron_p2p.check [--json] FILE...
+    python -m megatron_p2p.check [--json] [--serialize-lanes] FILE...
     python -m megatron_p2p.check --schedule {1f1b,interleaved} --pp N [--vpp V] [--microbatches M]
            [--mode {parity,batched}] [--lanes {1,2}] [--overlap] [--variable-seq-lengths]
-           [--eager BYTES] [--dump FILE]
-    python -m megatron_p2p.check --grid [--reduced] [--jobs N]
+           [--eager BYTES] [--dump FILE] [--serialize-lanes]
+    python -m megatron_p2p.check --grid [--reduced] [--jobs N] [--serialize-lanes]
 
 Prints a verdict per file or schedule: OK with the rounds on the critical path, DEADLOCK with
 the wait-for cycle (ranks, ops, labels), MISMATCH with the first disagreeing pair. --json prints
-one object per line instead. Exit status: 0 all OK, 1 otherwise, 2 for a usage error or a file
-that cannot be read or is not a valid program.
+one object per line instead. --serialize-lanes runs each rank's steps of all lanes in one queue
+in issue order (the worst case NCCL allows for communicators sharing a device); messages still
+pair per lane. Exit status: 0 all OK, 1 otherwise, 2 for a usage error or a file that cannot be
+read or is not a valid program.
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ _SHAPE_KEYS = ("mode", "lanes", "eager_threshold")
 
 def _record(verdict: Verdict, **where: Any) -> dict:
     return {**where, "verdict": verdict.verdict, "ranks": verdict.ranks, "rounds": verdict.rounds,
-            "detail": verdict.detail()}
+            "serialize_lanes": verdict.serialize_lanes, "detail": verdict.detail()}
 
 
-def check_files(paths: Sequence[str], as_json: bool) -> int:
+def check_files(paths: Sequence[str], as_json: bool, serialize_lanes: bool = False) -> int:
     """Prints one verdict per file; returns the exit status."""
     status = 0
     for path in paths:
@@ -49,7 +51,7 @@ def check_files(paths: Sequence[str], as_json: bool) -> int:
             print(f"error: {e}", file=sys.stderr)
             status = 2
             continue
-        verdict = simulate(program)
+        verdict = simulate(program, serialize_lanes=serialize_lanes)
         if as_json:
             print(json.dumps(_record(verdict, file=path)))
         else:
@@ -73,7 +75,7 @@ def _describe(config: dict) -> str:
     return " ".join(parts)
 
 
-def check_schedule(config: dict, as_json: bool, dump: Optional[str]) -> int:
+def check_schedule(config: dict, as_json: bool, dump: Optional[str], serialize_lanes: bool = False) -> int:
     """Generates one megatron-core schedule, checks it, optionally writes its program file."""
     from .schedules import generate
 
@@ -90,7 +92,7 @@ def check_schedule(config: dict, as_json: bool, dump: Optional[str]) -> int:
         except OSError as e:
             print(f"error: cannot write {dump}: {e.strerror or e}", file=sys.stderr)
             return 2
-    verdict = simulate(program)
+    verdict = simulate(program, serialize_lanes=serialize_lanes)
     if as_json:
         print(json.dumps(_record(verdict, schedule=config, file=dump)))
     else:
@@ -100,15 +102,17 @@ def check_schedule(config: dict, as_json: bool, dump: Optional[str]) -> int:
 
 # ---- the grid -------------------------------------------------------------------------------------
 
-def _run_group(configs: list[dict]) -> list[tuple[dict, str, str, int]]:
-    """Worker: (config, verdict, summary, ops) for configs sharing one schedule shape."""
+def _run_group(work: tuple[list[dict], bool]) -> list[tuple[dict, str, str, int]]:
+    """Worker: (config, verdict, summary, ops) for configs sharing one schedule shape, with
+    lanes serialized or not."""
     from .schedules import generate
 
+    configs, serialize_lanes = work
     out = []
     for config in configs:
         kwargs = {k: v for k, v in config.items() if k not in ("schedule", "pp", "skip")}
         program = generate(config["schedule"], config["pp"], **kwargs)
-        verdict = simulate(program, details=False)
+        verdict = simulate(program, details=False, serialize_lanes=serialize_lanes)
         out.append((config, verdict.verdict, verdict.summary(), program.num_ops()))
     return out
 
@@ -130,8 +134,9 @@ def _band(pp: int) -> str:
     return f"pp {pp}"
 
 
-def grid_results(full: bool = True, jobs: int = 1) -> list[tuple[dict, str, str, int]]:
-    """(config, verdict, summary, ops) for every config of the grid megatron-core accepts."""
+def grid_results(full: bool = True, jobs: int = 1, serialize_lanes: bool = False) -> list[tuple[dict, str, str, int]]:
+    """(config, verdict, summary, ops) for every config of the grid megatron-core accepts;
+    serialize_lanes: each rank's lanes run in one queue in issue order."""
     from .schedules import grid_configs
 
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -139,7 +144,8 @@ def grid_results(full: bool = True, jobs: int = 1) -> list[tuple[dict, str, str,
         if "skip" not in c:
             groups[tuple(sorted((k, v) for k, v in c.items() if k not in _SHAPE_KEYS))].append(c)
     # Largest first, so the last job to finish is a small one.
-    work = sorted(groups.values(), key=lambda g: -g[0]["pp"] * g[0].get("vpp", 1) * (g[0].get("microbatches") or 0))
+    ordered = sorted(groups.values(), key=lambda g: -g[0]["pp"] * g[0].get("vpp", 1) * (g[0].get("microbatches") or 0))
+    work = [(group, serialize_lanes) for group in ordered]
     results: list[tuple[dict, str, str, int]] = []
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -151,18 +157,19 @@ def grid_results(full: bool = True, jobs: int = 1) -> list[tuple[dict, str, str,
     return results
 
 
-def run_grid(full: bool, jobs: int, as_json: bool) -> int:
+def run_grid(full: bool, jobs: int, as_json: bool, serialize_lanes: bool = False) -> int:
     """Checks every config of the grid over `jobs` processes and prints a table."""
     from .schedules import grid_configs
 
     start = time.perf_counter()
     skipped = [c for c in grid_configs(full) if "skip" in c]
-    results = grid_results(full, jobs)
+    results = grid_results(full, jobs, serialize_lanes)
     elapsed = time.perf_counter() - start
     failures = [r for r in results if r[1] != "ok"]
     if as_json:
         for config, verdict, summary, _ in sorted(results, key=lambda r: _describe(r[0])):
-            print(json.dumps({"schedule": config, "verdict": verdict, "detail": summary}))
+            print(json.dumps({"schedule": config, "verdict": verdict, "serialize_lanes": serialize_lanes,
+                              "detail": summary}))
     else:
         print(_table(results, skipped))
         for config, verdict, summary, _ in sorted(failures, key=lambda r: _describe(r[0]))[:40]:
@@ -172,7 +179,8 @@ def run_grid(full: bool, jobs: int, as_json: bool) -> int:
         counts[r[1]] += 1
     total = (f"grid: {len(results)} configs checked ({sum(r[3] for r in results):,} ops), "
              f"{counts['ok']} OK, {counts['deadlock']} DEADLOCK, {counts['mismatch']} MISMATCH, "
-             f"{len(skipped)} refused by megatron-core; {elapsed:.0f} s on {jobs} process(es)")
+             f"{len(skipped)} refused by megatron-core; {elapsed:.0f} s on {jobs} process(es)"
+             + ("; lanes serialized in issue order" if serialize_lanes else ""))
     print(total, file=sys.stderr if as_json else sys.stdout)
     return 0 if not failures else 1
 
@@ -223,6 +231,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", action="store_true", help="check the whole grid of schedules and print a table")
     p.add_argument("--reduced", action="store_true", help="with --grid: the small grid the test suite runs")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --grid (default: all CPUs)")
+    p.add_argument("--serialize-lanes", action="store_true",
+                   help="run each rank's steps of all lanes in one queue in issue order (the worst case NCCL allows "
+                        "for communicators sharing a device); messages still pair per lane")
     return p
 
 
@@ -239,15 +250,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.grid:
         if args.jobs < 1:
             parser.error("--jobs must be at least 1")
-        return run_grid(not args.reduced, args.jobs, args.json)
+        return run_grid(not args.reduced, args.jobs, args.json, args.serialize_lanes)
     if args.schedule:
         if args.pp is None:
             parser.error("--schedule needs --pp")
         config = {"schedule": args.schedule, "pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches,
                   "mode": args.mode, "lanes": args.lanes, "overlap": args.overlap,
                   "variable_seq_lengths": args.variable_seq_lengths, "eager_threshold": args.eager}
-        return check_schedule(config, args.json, args.dump)
-    return check_files(args.files, args.json)
+        return check_schedule(config, args.json, args.dump, args.serialize_lanes)
+    return check_files(args.files, args.json, args.serialize_lanes)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@
 The run itself is C (`_C.simulate`, csrc/core/simulate.c): exchange calls are expanded by the
 runtime's own plan, sends wait for their receive unless at or under the eager threshold, and
 each channel has the shm transport's 8 descriptor slots. Semantics: docs/program-format.md.
+
+Each lane runs its steps in issue order, lanes side by side. `serialize_lanes=True` runs each
+rank's steps of all lanes in one queue in issue order instead, the worst case NCCL allows for
+communicators sharing a device (one execution order per device); messages still pair per lane.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ class Verdict:
     ranks: list[int] = field(default_factory=list)  # ranks involved: the cycle's, or the mismatched pair's
     cycle_closed: bool = True  # False: no cycle exists; `cycle` is a chain ending at a rank that finished
     num_pending: int = 0  # ops left pending (also when `pending` was not collected)
+    serialize_lanes: bool = False  # each rank's lanes ran in one queue in issue order
 
     @property
     def ok(self) -> bool:
@@ -94,7 +99,8 @@ class Verdict:
         elif self.verdict == "deadlock":
             for e in self.cycle:
                 lines.append(f"  rank {e.rank}: {e.blocked_on.describe()}; {e.peer_posted}")
-            lines.append(f"  stuck after {self.rounds} rounds with {self.num_pending} op(s) pending")
+            lanes = ", lanes serialized in issue order" if self.serialize_lanes else ""
+            lines.append(f"  stuck after {self.rounds} rounds with {self.num_pending} op(s) pending{lanes}")
         return "\n".join(lines)
 
 
@@ -111,23 +117,26 @@ def _op_ref(program: Program, t: tuple) -> OpRef:
     return OpRef(rank, call, step, index, op, program.call_name(rank, call), seq)
 
 
-def _peer_posted(ref: OpRef, partner_state: int, posted: int) -> str:
+def _peer_posted(ref: OpRef, partner_state: int, posted: int, serialize_lanes: bool) -> str:
     op = ref.op
     want = "receive" if op.kind == "send" else "send"
     direction = f"from rank {ref.rank}" if op.kind == "send" else f"to rank {ref.rank}"
     if partner_state == _PARTNER_QUEUED:
-        return (f"rank {op.peer} has posted the matching {want} (#{ref.seq}) but it is queued behind "
-                f"its lane {op.lane} head")
+        head = "its first unfinished step (lanes serialized)" if serialize_lanes else f"its lane {op.lane} head"
+        return f"rank {op.peer} has posted the matching {want} (#{ref.seq}) but it is queued behind {head}"
     plural = "" if posted == 1 else "s"
     return f"rank {op.peer} has posted {posted} {want}{plural} {direction} on lane {op.lane} (this needs #{ref.seq})"
 
 
-def simulate(program: Program, *, details: bool = True) -> Verdict:
+def simulate(program: Program, *, details: bool = True, serialize_lanes: bool = False) -> Verdict:
     """Runs `program` to quiescence and says whether it completes, deadlocks or mismatches.
-    details=False skips listing every pending op (the grid only needs verdicts)."""
+    details=False skips listing every pending op (the grid only needs verdicts).
+    serialize_lanes=True runs each rank's steps of all lanes in one queue in issue order (one
+    execution order per device, as NCCL may run its communicators); matching stays per lane."""
     verdict, rounds, mismatch, cycle, closed, pending, num_pending = _C.simulate(
-        *program.packed(), details=details)
-    result = Verdict(verdict, rounds, num_pending=num_pending, cycle_closed=closed if verdict == "deadlock" else True)
+        *program.packed(), details=details, serialize_lanes=serialize_lanes)
+    result = Verdict(verdict, rounds, num_pending=num_pending, cycle_closed=closed if verdict == "deadlock" else True,
+                     serialize_lanes=serialize_lanes)
     if mismatch is not None:
         send, recv = _op_ref(program, mismatch[0]), _op_ref(program, mismatch[1])
         result.mismatch = (send, recv)
@@ -136,7 +145,7 @@ def simulate(program: Program, *, details: bool = True) -> Verdict:
         edges = []
         for t, waits_for in cycle:
             ref = _op_ref(program, t)
-            edges.append(CycleEdge(ref.rank, ref, waits_for, _peer_posted(ref, t[12], t[13])))
+            edges.append(CycleEdge(ref.rank, ref, waits_for, _peer_posted(ref, t[12], t[13], serialize_lanes)))
         if closed and edges:  # start the cycle at its lowest rank
             first = min(range(len(edges)), key=lambda i: edges[i].rank)
             edges = edges[first:] + edges[:first]

@@ -1,6 +1,7 @@
 """`python -m megatron_p2p.check`: verdicts on the shipped bug files and their correct
 counterparts, errors on bad files (field and rank named), --json, exit codes, generated
-schedules, a reduced grid, and random programs cross-checked against an exhaustive search."""
+schedules, a reduced grid, and random programs cross-checked against an exhaustive search,
+with lanes side by side and serialized in issue order (--serialize-lanes)."""
 from __future__ import annotations
 
 import json
@@ -235,6 +236,35 @@ def test_reduced_grid_prints_a_table_and_a_total(capsys):
     assert code == (0 if "0 DEADLOCK, 0 MISMATCH" in total else 1)
 
 
+def test_reduced_grid_is_deadlock_free_with_lanes_serialized(capsys):
+    """Each rank's lanes run one after another in issue order, the worst case NCCL allows for
+    communicators sharing a device: every configuration still completes, paired right."""
+    code, out, _ = run_check(capsys, "--grid", "--reduced", "--jobs", "2", "--serialize-lanes")
+    total = next(line for line in out.splitlines() if line.startswith("grid: "))
+    assert code == 0 and " 0 DEADLOCK, 0 MISMATCH" in total and total.endswith("lanes serialized in issue order")
+
+
+def two_rank_lane_pair(path: Path, backward_lane_first: bool) -> str:
+    """A program file: rank 0 sends an activation on lane 0, then receives a gradient on lane 1;
+    rank 1 receives the activation and sends the gradient, in lane order or lane 1 first."""
+    builder = ProgramBuilder(2, 2)
+    builder.steps(0, [(0, [("send", 1, 4096, "float32", "act")]), (1, [("recv", 1, 2048, "float32", "grad")])])
+    rank1 = [(0, [("recv", 0, 4096, "float32", "act")]), (1, [("send", 0, 2048, "float32", "grad")])]
+    builder.steps(1, rank1[::-1] if backward_lane_first else rank1)
+    path.write_text(dumps(builder.build()))
+    return str(path)
+
+
+def test_serialize_lanes_reports_ranks_that_issue_their_lanes_in_opposite_orders(capsys, tmp_path):
+    code, out, _ = run_check(capsys, "--serialize-lanes", two_rank_lane_pair(tmp_path / "p.json", True))
+    assert code == 1 and "DEADLOCK: ranks 0 -> 1 -> 0" in out and "lanes serialized" in out
+
+
+def test_serialize_lanes_passes_ranks_that_issue_their_lanes_in_one_order(capsys, tmp_path):
+    code, out, _ = run_check(capsys, "--serialize-lanes", two_rank_lane_pair(tmp_path / "p.json", False))
+    assert code == 0 and "OK in" in out
+
+
 def test_reduced_grid_verdicts_are_the_simulators_and_1f1b_is_ok():
     results = check.grid_results(full=False, jobs=1)
     assert len(results) > 100
@@ -252,9 +282,10 @@ class Oracle:
     its next call (after the previous call's ops if it waits, and after what it awaits), a send is
     published (active, after the previous send on its channel, with one of 8 slots free), an eager
     send completes, a receive meets its published send (active, after the previous receive).
-    Returns every terminal state: (set of ops done, whether a pair disagreed)."""
+    A step is active at the head of its lane's queue, or of its rank's one queue when lanes are
+    serialized. Returns every terminal state: (set of ops done, whether a pair disagreed)."""
 
-    def __init__(self, program: prog.Program) -> None:
+    def __init__(self, program: prog.Program, serialize_lanes: bool = False) -> None:
         self.ops = []  # (rank, call, step, index, op)
         self.calls: dict[tuple[int, int], list[int]] = {}
         lane_steps: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -265,7 +296,7 @@ class Oracle:
             for c, call in enumerate(calls):
                 ids = []
                 for s, step in enumerate(call.steps):
-                    lane_steps.setdefault((r, step[0].lane), []).append((c, s))
+                    lane_steps.setdefault((r, 0 if serialize_lanes else step[0].lane), []).append((c, s))
                     for i, op in enumerate(step):
                         src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
                         key = (op.kind, src, dst, op.lane)
@@ -386,17 +417,20 @@ def _assert_consistent(v, p) -> None:
 RANDOM_PROGRAMS = int(os.environ.get("MEGATRON_P2P_VERIFY_PROGRAMS", "300"))
 
 
-def test_random_programs_agree_with_exhaustive_search():
+def agree_with_exhaustive_search(seeds, serialize_lanes: bool) -> tuple[Counter, Counter]:
+    """Simulates each seed's program and, where it is small, compares the verdict (and the ops
+    left pending) with the exhaustive search's single outcome. Returns the verdicts' counts, of
+    all programs and of those searched."""
     verdicts: Counter = Counter()
     searched: Counter = Counter()
-    for seed in range(RANDOM_PROGRAMS):
+    for seed in seeds:
         p = random_program(seed)
-        v = simulate(p)
+        v = simulate(p, serialize_lanes=serialize_lanes)
         verdicts[v.verdict] += 1
         _assert_consistent(v, p)
         if p.num_ops() > 16:
             continue
-        oracle = Oracle(p)
+        oracle = Oracle(p, serialize_lanes)
         try:
             terminals = oracle.explore()
         except OverflowError:
@@ -409,8 +443,23 @@ def test_random_programs_agree_with_exhaustive_search():
             stuck = {oracle.ops[n][:4] for n in range(len(oracle.ops)) if n not in done}
             assert {(o.rank, o.call, o.step, o.index) for o in v.pending} == stuck, f"seed {seed}"
         searched[expected] += 1
+    return verdicts, searched
+
+
+def test_random_programs_agree_with_exhaustive_search():
+    verdicts, searched = agree_with_exhaustive_search(range(RANDOM_PROGRAMS), serialize_lanes=False)
     assert min(verdicts[k] for k in ("ok", "deadlock", "mismatch")) >= 30, verdicts
     assert min(searched[k] for k in ("ok", "deadlock", "mismatch")) >= 10, searched
+
+
+def test_random_programs_agree_with_exhaustive_search_with_lanes_serialized():
+    two_lanes = [seed for seed in range(RANDOM_PROGRAMS) if random_program(seed).lanes == 2]
+    verdicts, searched = agree_with_exhaustive_search(two_lanes, serialize_lanes=True)
+    assert min(verdicts[k] for k in ("ok", "deadlock", "mismatch")) >= 15, verdicts
+    assert min(searched[k] for k in ("ok", "deadlock", "mismatch")) >= 5, searched
+    small = [random_program(seed) for seed in two_lanes if random_program(seed).num_ops() <= 16]
+    changed = [p for p in small if simulate(p).verdict != simulate(p, serialize_lanes=True).verdict]
+    assert changed, "no program searched whose outcome serializing its lanes changes"
 
 
 # ---- the C binding ----------------------------------------------------------------------------------

@@ -11,9 +11,20 @@ static const mp_slot parity_odd[MP_NUM_SLOTS] = {MP_RECV_PREV, MP_SEND_NEXT, MP_
 
 /* Batched order. Megatron issues send_prev, recv_prev, send_next, recv_next; with two ranks
  * (prev == next) the first send to the peer is then a gradient while the peer's first receive
- * expects an activation. Sends next-then-prev against receives prev-then-next pairs the k-th
- * send with the k-th receive of the same direction for every size. */
-static const mp_slot batched_order[MP_NUM_SLOTS] = {MP_SEND_NEXT, MP_SEND_PREV, MP_RECV_PREV, MP_RECV_NEXT};
+ * expects an activation. Here sends go next-then-prev and receives prev-then-next, which pairs
+ * the k-th send with the k-th receive of the same direction for every size.
+ * Lanes are issued in one fixed order, lane 0's group before lane 1's, on every rank and for
+ * every subset of ops (so does parity mode: both of its orders list the forward pair first).
+ * Each lane is its own NCCL communicator, and NCCL requires the operations of one device's
+ * communicators to follow one order consistent across ranks (NCCL's user guide,
+ * docs/userguide/source/usage/communicators.rst, "Using multiple NCCL communicators
+ * concurrently"; from 2.26 NCCL_LAUNCH_ORDER_IMPLICIT takes that order from the host issue
+ * order, src/enqueue.cc). Creating a lane's step where its first op appears, with sends first,
+ * put lane 1 first for send_prev + recv_prev but lane 0 first for its partner's send_next +
+ * recv_next: 1F1B's two sides issued their lanes in opposite orders, which deadlocks once NCCL
+ * serializes them. The forward pair first keeps both: lane order, and the relative order of the
+ * sends and of the receives (so with one lane the single group pairs directions as before). */
+static const mp_slot batched_order[MP_NUM_SLOTS] = {MP_SEND_NEXT, MP_RECV_PREV, MP_SEND_PREV, MP_RECV_NEXT};
 
 const char *mp_slot_name(mp_slot s)
 {

@@ -35,6 +35,8 @@ const char *mp_slot_name(mp_slot s);
 int mp_slot_is_send(mp_slot s);
 /* Lane of an op: forward (activations: send_next / recv_prev) or backward (gradients). */
 int mp_slot_lane(mp_slot s, int nlanes);
+/* The steps of one exchange, in issue order: every step of lane 0 before any of lane 1, in every
+ * mode and on every rank (plan.c says why). */
 void mp_plan_exchange(const mp_plan_input *in, mp_plan *out);
 
 #endif

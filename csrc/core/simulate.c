@@ -92,7 +92,7 @@ static void issue(mp_sim *sim, sim_call *c)
             const sim_op *o = &sim->ops[st->first_op + i];
             sim->chans[o->chan].issued[o->kind]++;
         }
-        if (sim->lane_head[st->rank * sim->nlanes + st->lane] == st->lane_pos)
+        if (sim->queue_head[sim_queue(sim, st->rank, st->lane)] == st->queue_pos)
             activate(sim, st);
     }
 }
@@ -146,10 +146,10 @@ static void complete(mp_sim *sim, int32_t id)
     c->remaining--;
     int wake = 0;
     if (--st->remaining == 0) {
-        int32_t q = o->rank * sim->nlanes + o->lane;
-        int32_t head = ++sim->lane_head[q];
-        if (head < sim->lane_count[q]) {
-            sim_step *next = &sim->steps[sim->lane_steps[sim->lane_off[q] + head]];
+        int32_t q = sim_queue(sim, o->rank, o->lane);
+        int32_t head = ++sim->queue_head[q];
+        if (head < sim->queue_count[q]) {
+            sim_step *next = &sim->steps[sim->queue_steps[sim->queue_off[q] + head]];
             if (next->issued)
                 activate(sim, next);
         }

@@ -25,6 +25,11 @@ typedef struct {
     uint64_t eager_threshold;
     const int64_t *const *streams; /* [size] */
     const size_t *lengths;         /* [size]: int64 values in each stream */
+    /* 0: each (rank, lane) runs its steps in issue order, lanes side by side. 1: each rank runs
+     * all its steps, of every lane, one after another in issue order: the worst case NCCL allows
+     * when its communicators share a device (one execution order per device). Matching stays per
+     * lane either way: a lane is its own communicator. */
+    int serialize_lanes;
 } mp_sim_program;
 
 typedef enum { MP_SIM_OK = 0, MP_SIM_DEADLOCK = 1, MP_SIM_MISMATCH = 2 } mp_sim_verdict;

@@ -1,6 +1,7 @@
 /* Building a simulator: the packed program parsed (exchanges expanded into steps by the plan,
- * as the runtime does), its channels numbered and its lanes' step queues laid out; then
- * mp_sim_new and mp_sim_free. The run itself is simulate.c. */
+ * as the runtime does), its channels numbered and its step queues (one per lane, or one per
+ * rank when lanes are serialized) laid out; then mp_sim_new and mp_sim_free. The run itself is
+ * simulate.c. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -232,7 +233,7 @@ static int parse(mp_sim *sim, parser *p, int fill)
     return 0;
 }
 
-/* ---- channels and lanes --------------------------------------------------------------------- */
+/* ---- channels and queues -------------------------------------------------------------------- */
 
 static uint64_t hash_key(uint64_t k)
 {
@@ -305,27 +306,28 @@ out:
     return rc;
 }
 
-static int build_lanes(mp_sim *sim)
+/* Lays out each (rank, queue)'s FIFO of steps in issue order (simulate_internal.h). */
+static int build_queues(mp_sim *sim)
 {
-    size_t nq = (size_t)sim->size * (size_t)sim->nlanes;
-    sim->lane_off = calloc(nq, sizeof *sim->lane_off);
-    sim->lane_count = calloc(nq, sizeof *sim->lane_count);
-    sim->lane_head = calloc(nq, sizeof *sim->lane_head);
-    sim->lane_steps = malloc((sim->nsteps ? (size_t)sim->nsteps : 1) * sizeof *sim->lane_steps);
-    if (!sim->lane_off || !sim->lane_count || !sim->lane_head || !sim->lane_steps)
+    size_t nq = (size_t)sim->size * (size_t)sim->nqueues;
+    sim->queue_off = calloc(nq, sizeof *sim->queue_off);
+    sim->queue_count = calloc(nq, sizeof *sim->queue_count);
+    sim->queue_head = calloc(nq, sizeof *sim->queue_head);
+    sim->queue_steps = malloc((sim->nsteps ? (size_t)sim->nsteps : 1) * sizeof *sim->queue_steps);
+    if (!sim->queue_off || !sim->queue_count || !sim->queue_head || !sim->queue_steps)
         return -1;
     for (int32_t s = 0; s < sim->nsteps; s++)
-        sim->lane_count[sim->steps[s].rank * sim->nlanes + sim->steps[s].lane]++;
+        sim->queue_count[sim_queue(sim, sim->steps[s].rank, sim->steps[s].lane)]++;
     int32_t off = 0;
     for (size_t q = 0; q < nq; q++) {
-        sim->lane_off[q] = off;
-        off += sim->lane_count[q];
-        sim->lane_count[q] = 0;
+        sim->queue_off[q] = off;
+        off += sim->queue_count[q];
+        sim->queue_count[q] = 0;
     }
     for (int32_t s = 0; s < sim->nsteps; s++) {
-        size_t q = (size_t)sim->steps[s].rank * (size_t)sim->nlanes + (size_t)sim->steps[s].lane;
-        sim->steps[s].lane_pos = sim->lane_count[q]++;
-        sim->lane_steps[sim->lane_off[q] + sim->steps[s].lane_pos] = s;
+        int32_t q = sim_queue(sim, sim->steps[s].rank, sim->steps[s].lane);
+        sim->steps[s].queue_pos = sim->queue_count[q]++;
+        sim->queue_steps[sim->queue_off[q] + sim->steps[s].queue_pos] = s;
     }
     return 0;
 }
@@ -341,10 +343,10 @@ void mp_sim_free(mp_sim *sim)
     free(sim->ranks);
     free(sim->chans);
     free(sim->chan_ops);
-    free(sim->lane_off);
-    free(sim->lane_count);
-    free(sim->lane_head);
-    free(sim->lane_steps);
+    free(sim->queue_off);
+    free(sim->queue_count);
+    free(sim->queue_head);
+    free(sim->queue_steps);
     free(sim->cur.v);
     free(sim->next.v);
     free(sim->cycle);
@@ -367,6 +369,7 @@ mp_sim *mp_sim_new(const mp_sim_program *prog, char *err, size_t errlen, int *oo
     }
     sim->size = prog->size;
     sim->nlanes = prog->nlanes;
+    sim->nqueues = prog->serialize_lanes ? 1 : prog->nlanes;
     sim->eager = prog->eager_threshold;
     parser p = {prog, err, errlen};
     if (parse(sim, &p, 0) != 0) {
@@ -379,7 +382,7 @@ mp_sim *mp_sim_new(const mp_sim_program *prog, char *err, size_t errlen, int *oo
     sim->awaits = calloc(sim->nawaits ? 2 * (size_t)sim->nawaits : 1, sizeof *sim->awaits);
     sim->ranks = calloc((size_t)sim->size, sizeof *sim->ranks);
     if (!sim->ops || !sim->steps || !sim->calls || !sim->awaits || !sim->ranks || parse(sim, &p, 1) != 0 ||
-        build_channels(sim) != 0 || build_lanes(sim) != 0) {
+        build_channels(sim) != 0 || build_queues(sim) != 0) {
         if (!err[0])
             *oom = 1;
         mp_sim_free(sim);

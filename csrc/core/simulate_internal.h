@@ -20,7 +20,7 @@ typedef struct {
 } sim_op;
 
 typedef struct {
-    int32_t rank, lane, call, first_op, nops, remaining, lane_pos;
+    int32_t rank, lane, call, first_op, nops, remaining, queue_pos;
     uint8_t issued;
 } sim_step;
 
@@ -47,6 +47,7 @@ typedef struct {
 
 struct mp_sim {
     int size, nlanes;
+    int nqueues; /* step queues per rank: nlanes, or 1 when lanes are serialized (mp_sim_program) */
     uint64_t eager;
     int32_t nops, nsteps, ncalls, nawaits, nchans;
     sim_op *ops;
@@ -56,7 +57,10 @@ struct mp_sim {
     sim_rank *ranks;
     sim_chan *chans;
     int32_t *chan_ops;
-    int32_t *lane_off, *lane_count, *lane_head, *lane_steps; /* per (rank, lane) FIFO of step ids */
+    /* A FIFO of step ids per (rank, queue), run in issue order: a step activates at its queue's
+     * head. The queue is the step's lane, or the rank's one queue when lanes are serialized;
+     * channels (matching) are per lane whatever the queues. */
+    int32_t *queue_off, *queue_count, *queue_head, *queue_steps;
     int_list cur, next;  /* events: >= 0 a channel's next pair, < 0 an eager send (-1 - op) */
     int oom;
     /* results */
@@ -69,6 +73,18 @@ struct mp_sim {
     int cycle_closed;
     int64_t npending;
 };
+
+/* Which of its rank's queues runs the steps of `lane`: the lane's own, or the rank's one. */
+static inline int32_t sim_lane_queue(const mp_sim *sim, int32_t lane)
+{
+    return sim->nqueues == 1 ? 0 : lane;
+}
+
+/* That queue among all ranks' (the index into queue_off, queue_count and queue_head). */
+static inline int32_t sim_queue(const mp_sim *sim, int32_t rank, int32_t lane)
+{
+    return rank * sim->nqueues + sim_lane_queue(sim, lane);
+}
 
 /* A growing array of `elem`-byte elements with room for one more: `v` itself, or its larger
  * copy; NULL when memory runs out (`v` is then left as it was). */

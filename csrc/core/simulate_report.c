@@ -6,8 +6,9 @@
 #include "simulate_internal.h"
 
 /* ---- the stuck state: the wait-for graph -------------------------------------------------------
- * Nodes: (rank, lane) for a lane's head step and (rank, wait) for the rank's host wait,
- * numbered rank * (nlanes + 1) + lane, the wait being lane nlanes. */
+ * Nodes: (rank, queue) for a step queue's head step (simulate_internal.h: a lane's, or the rank's
+ * one queue when lanes are serialized) and (rank, wait) for the rank's host wait, numbered
+ * rank * (nqueues + 1) + queue, the wait being queue nqueues. */
 
 typedef struct {
     int32_t target, op;
@@ -28,7 +29,7 @@ static int push_edge(edge_list *l, int32_t target, int32_t op)
     return 0;
 }
 
-static int32_t node_of(const mp_sim *sim, int32_t rank, int32_t lane) { return rank * (sim->nlanes + 1) + lane; }
+static int32_t node_of(const mp_sim *sim, int32_t rank, int32_t queue) { return rank * (sim->nqueues + 1) + queue; }
 
 /* The op that `id` must meet, or -1 when its peer never posts it. */
 static int32_t partner_of(const mp_sim *sim, int32_t id)
@@ -48,27 +49,27 @@ static int partner_state(const mp_sim *sim, int32_t id)
     return sim->ops[p].active ? MP_SIM_PARTNER_ACTIVE : MP_SIM_PARTNER_QUEUED;
 }
 
-/* Where a pending op of an active step points: the peer's wait, the peer's lane, or nowhere
+/* Where a pending op of an active step points: the peer's wait, the peer's queue, or nowhere
  * (its partner is active too and it only waits for an earlier op of its group). */
 static int32_t op_target(const mp_sim *sim, int32_t id)
 {
     const sim_op *o = &sim->ops[id];
     switch (partner_state(sim, id)) {
     case MP_SIM_PARTNER_MISSING:
-        return node_of(sim, o->peer, sim->nlanes);
+        return node_of(sim, o->peer, sim->nqueues);
     case MP_SIM_PARTNER_QUEUED:
-        return node_of(sim, o->peer, o->lane);
+        return node_of(sim, o->peer, sim_lane_queue(sim, o->lane));
     default:
         return -1;
     }
 }
 
-static int head_edges(const mp_sim *sim, int32_t r, int32_t lane, edge_list *out)
+static int head_edges(const mp_sim *sim, int32_t r, int32_t queue, edge_list *out)
 {
-    int32_t q = r * sim->nlanes + lane;
-    if (sim->lane_head[q] >= sim->lane_count[q])
+    int32_t q = r * sim->nqueues + queue;
+    if (sim->queue_head[q] >= sim->queue_count[q])
         return 0;
-    const sim_step *st = &sim->steps[sim->lane_steps[sim->lane_off[q] + sim->lane_head[q]]];
+    const sim_step *st = &sim->steps[sim->queue_steps[sim->queue_off[q] + sim->queue_head[q]]];
     if (!st->issued)
         return 0;
     for (int32_t i = st->first_op; i < st->first_op + st->nops; i++) {
@@ -79,20 +80,21 @@ static int head_edges(const mp_sim *sim, int32_t r, int32_t lane, edge_list *out
     return 0;
 }
 
-/* Edges of a wait on ops [first, end): each pending op points where it needs, or to its lane
+/* Edges of a wait on ops [first, end): each pending op points where it needs, or to its queue's
  * head when it is queued behind it (or only waits for an op of its own group). */
 static int wait_ops_edges(const mp_sim *sim, int32_t first, int32_t end, edge_list *out)
 {
-    int32_t behind_head_seen[2] = {0, 0};
+    int32_t behind_head_seen[2] = {0, 0}; /* per queue of the rank */
     for (int32_t i = first; i < end; i++) {
         const sim_op *o = &sim->ops[i];
         if (o->done && sim->steps[o->step].remaining == 0)
             continue;
         int32_t t = o->active && !o->done ? op_target(sim, i) : -1; /* done: waits for its group */
         if (t < 0) {
-            if (behind_head_seen[o->lane]++)
+            int32_t queue = sim_lane_queue(sim, o->lane);
+            if (behind_head_seen[queue]++)
                 continue;
-            t = node_of(sim, o->rank, o->lane); /* its lane head holds it back */
+            t = node_of(sim, o->rank, queue); /* its queue's head holds it back */
         }
         if (push_edge(out, t, i) != 0)
             return -1;
@@ -120,14 +122,14 @@ static int wait_edges(const mp_sim *sim, int32_t r, edge_list *out)
         return 0;
     }
     case RANK_FINAL:
-        for (int32_t lane = 0; lane < sim->nlanes; lane++) {
-            int32_t q = r * sim->nlanes + lane;
-            if (sim->lane_head[q] >= sim->lane_count[q])
+        for (int32_t queue = 0; queue < sim->nqueues; queue++) {
+            int32_t q = r * sim->nqueues + queue;
+            if (sim->queue_head[q] >= sim->queue_count[q])
                 continue;
-            const sim_step *st = &sim->steps[sim->lane_steps[sim->lane_off[q] + sim->lane_head[q]]];
+            const sim_step *st = &sim->steps[sim->queue_steps[sim->queue_off[q] + sim->queue_head[q]]];
             for (int32_t i = st->first_op; i < st->first_op + st->nops; i++)
                 if (!sim->ops[i].done) {
-                    if (push_edge(out, node_of(sim, r, lane), i) != 0)
+                    if (push_edge(out, node_of(sim, r, queue), i) != 0)
                         return -1;
                     break;
                 }
@@ -167,7 +169,7 @@ static int record_path(mp_sim *sim, const int32_t *nodes, const int32_t *ops, si
     sim->cycle = calloc(n ? n : 1, sizeof *sim->cycle);
     if (!sim->cycle)
         return -1;
-    int32_t per = sim->nlanes + 1;
+    int32_t per = sim->nqueues + 1;
     for (size_t i = 0; i < n; i++) {
         int32_t from = nodes[i] / per, to = nodes[i + 1] / per;
         if (from == to)
@@ -179,11 +181,11 @@ static int record_path(mp_sim *sim, const int32_t *nodes, const int32_t *ops, si
     return 0;
 }
 
-/* Depth-first search from every rank's wait, then every lane; the first cycle found is kept.
+/* Depth-first search from every rank's wait, then every queue; the first cycle found is kept.
  * Without a cycle, the chain of first edges from the first stuck rank is kept instead. */
 void sim_find_cycle(mp_sim *sim)
 {
-    int32_t per = sim->nlanes + 1, nnodes = sim->size * per;
+    int32_t per = sim->nqueues + 1, nnodes = sim->size * per;
     size_t *first = malloc(((size_t)nnodes + 1) * sizeof *first);
     uint8_t *color = calloc((size_t)nnodes, 1);
     int32_t *stack = malloc((size_t)nnodes * sizeof *stack), *path_nodes = malloc(((size_t)nnodes + 1) * sizeof *path_nodes);
@@ -194,15 +196,15 @@ void sim_find_cycle(mp_sim *sim)
         goto oom;
     for (int32_t v = 0; v < nnodes; v++) {
         first[v] = edges.n;
-        int32_t r = v / per, lane = v % per;
-        if ((lane == sim->nlanes ? wait_edges(sim, r, &edges) : head_edges(sim, r, lane, &edges)) != 0)
+        int32_t r = v / per, queue = v % per;
+        if ((queue == sim->nqueues ? wait_edges(sim, r, &edges) : head_edges(sim, r, queue, &edges)) != 0)
             goto oom;
     }
     first[nnodes] = edges.n;
     for (int32_t pass = 0; pass < 2; pass++)
         for (int32_t r = 0; r < sim->size; r++)
-            for (int32_t lane = pass ? 0 : sim->nlanes; lane < (pass ? sim->nlanes : sim->nlanes + 1); lane++) {
-                int32_t start = node_of(sim, r, lane);
+            for (int32_t queue = pass ? 0 : sim->nqueues; queue < (pass ? sim->nqueues : sim->nqueues + 1); queue++) {
+                int32_t start = node_of(sim, r, queue);
                 if (color[start])
                     continue;
                 size_t depth = 0;
@@ -242,7 +244,7 @@ void sim_find_cycle(mp_sim *sim)
     for (int32_t r = 0; r < sim->size; r++) {
         if (sim->ranks[r].state == RANK_DONE)
             continue;
-        int32_t v = node_of(sim, r, sim->nlanes);
+        int32_t v = node_of(sim, r, sim->nqueues);
         size_t n = 0;
         memset(color, 0, (size_t)nnodes);
         while (first[v] < first[v + 1] && !color[v] && n < (size_t)nnodes) {

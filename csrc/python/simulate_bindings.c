@@ -1,4 +1,5 @@
-/* Binding of the offline simulator: _C.simulate(size, lanes, eager_threshold, streams, details=True). */
+/* Binding of the offline simulator: _C.simulate(size, lanes, eager_threshold, streams, details=True,
+ * serialize_lanes=False). */
 #include <string.h>
 
 #include "bindings.h"
@@ -63,11 +64,12 @@ fail:
 
 static PyObject *simulate(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"size", "lanes", "eager_threshold", "streams", "details", NULL};
-    int size, lanes, details = 1;
+    static char *kwlist[] = {"size", "lanes", "eager_threshold", "streams", "details", "serialize_lanes", NULL};
+    int size, lanes, details = 1, serialize_lanes = 0;
     long long eager;
     PyObject *streams;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLO|p:simulate", kwlist, &size, &lanes, &eager, &streams, &details))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLO|pp:simulate", kwlist, &size, &lanes, &eager, &streams, &details,
+                                     &serialize_lanes))
         return NULL;
     if (size < 1 || size > 65536)
         return PyErr_Format(PyExc_ValueError, "size must be from 1 to 65536, got %d", size);
@@ -120,7 +122,7 @@ static PyObject *simulate(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kw
     }
 #pragma GCC diagnostic pop
     mp_sim_program prog = {.size = size, .nlanes = lanes, .eager_threshold = (uint64_t)eager,
-                           .streams = views, .lengths = lengths};
+                           .streams = views, .lengths = lengths, .serialize_lanes = serialize_lanes};
     char err[256] = "";
     int oom = 0, rc = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -153,10 +155,11 @@ out:
 
 PyMethodDef mp_simulate_methods[] = {
     {"simulate", (PyCFunction)(void (*)(void))simulate, METH_VARARGS | METH_KEYWORDS,
-     "simulate(size, lanes, eager_threshold, streams, details=True)\n"
+     "simulate(size, lanes, eager_threshold, streams, details=True, serialize_lanes=False)\n"
      "  -> (verdict, rounds, mismatch, cycle, cycle_closed, pending, num_pending)\n\n"
      "Runs a packed program (csrc/core/simulate.h; megatron_p2p.program builds it) under the transport's\n"
-     "semantics. verdict: 'ok' | 'deadlock' | 'mismatch'. Ops are tuples (rank, call, step, index, seq,\n"
+     "semantics; serialize_lanes runs each rank's steps of all lanes in one queue in issue order (matching\n"
+     "stays per lane). verdict: 'ok' | 'deadlock' | 'mismatch'. Ops are tuples (rank, call, step, index, seq,\n"
      "kind, peer, lane, bytes, dtype, slot, label, partner_state, partner_posted); mismatch: (send, recv)\n"
      "or None; cycle: [(op, waits_for_rank), ...]; pending: every op left pending (empty unless details)."},
     {NULL},

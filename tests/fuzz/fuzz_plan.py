@@ -1,7 +1,9 @@
 """atheris target: the plan of one exchange (csrc/core/plan.c, through _C.plan). Any mode, lane
 count, rank, op names and self flags: a ValueError for a name or mode it does not know, else a
-plan where every op posted appears once, on its own lane, a self send shares its step with its
-receive, and batched mode issues one step per lane. Anything else is a finding.
+plan where every op posted appears once, on its own lane, lane 0's steps come before lane 1's
+(one lane order on every rank, as NCCL needs of communicators sharing a device), a self send
+shares its step with its receive, and batched mode issues one step per lane. Anything else is a
+finding.
 
     python tests/fuzz/fuzz_plan.py -max_total_time=60 WORK_DIR tests/fuzz/corpus/plan
 """
@@ -44,6 +46,9 @@ def check(data: bytes) -> None:
     for lane, ops in steps:
         if not ops or any(lane != (1 if two and op not in FORWARD else 0) for op in ops):
             raise AssertionError(f"step {ops} on lane {lane} (lanes={lanes})")
+    issued = [lane for lane, _ in steps]
+    if issued != sorted(issued):
+        raise AssertionError(f"lane 1 issued before lane 0: {steps}")
     step_of = {op: i for i, (_, ops) in enumerate(steps) for op in ops}
     if prev_self and next_self:  # a one-rank ring: each send's receive is this rank's own
         for send, recv in (("send_next", "recv_prev"), ("send_prev", "recv_next")):
