@@ -403,3 +403,27 @@ def test_creation_that_times_out_says_so_and_quotes_a_last_error_only_as_possibl
     assert v["create"]["type"] == "P2PTimeoutError", v["create"]
     said = "lane 0: not every rank joined the NCCL communicator in time: timed out"
     assert msg.endswith(f"{said} ({MAY_BE_UNRELATED}: {STALE})" if stale else said), msg
+
+
+# ---- NCCL_COMM_BLOCKING ---------------------------------------------------------------------------
+
+def test_nccl_comm_blocking_overrides_a_nonblocking_config_in_the_model(promises):
+    """As in NCCL (src/init.cc: envConfigOverride): 1 makes a nonblocking init block, 0 leaves it
+    nonblocking, and a value that is no number is ignored."""
+    assert promises["nonblocking_init_with_NCCL_COMM_BLOCKING=1"] == 0
+    assert promises["nonblocking_init_with_NCCL_COMM_BLOCKING=0"] == 7
+    assert promises["nonblocking_init_with_NCCL_COMM_BLOCKING=yes"] == 7
+
+
+def test_a_communicator_is_refused_when_the_environment_forces_blocking_nccl():
+    """Blocking NCCL calls could not be ended by a timeout, a peer's failure or Ctrl-C."""
+    v = run_one("nccl_model_errors.py", {"case": "one_rank"}, env={"NCCL_COMM_BLOCKING": "1"})
+    assert v["create"]["type"] == "P2PError", v["create"]
+    assert "NCCL_COMM_BLOCKING=1 in the environment makes NCCL's communicators blocking" in v["create"]["msg"]
+    assert "unset it, or set it to 0" in v["create"]["msg"]
+
+
+@pytest.mark.parametrize("value", ["0", "yes"])
+def test_a_communicator_is_made_when_the_environment_leaves_nccl_nonblocking(value):
+    v = run_one("nccl_model_errors.py", {"case": "one_rank"}, env={"NCCL_COMM_BLOCKING": value})
+    assert v["create"]["type"] is None, v["create"]

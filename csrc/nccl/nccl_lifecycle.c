@@ -338,9 +338,27 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
     return MP_OK;
 }
 
+/* Whether NCCL_COMM_BLOCKING makes NCCL's communicators blocking: NCCL lets it override the config
+ * when it reads 0 or 1 as a whole number (NCCL 2.30: src/init.cc envConfigOverride, NCCL_PARAM). */
+static int env_forces_blocking(void)
+{
+    const char *value = getenv("NCCL_COMM_BLOCKING");
+    char *end;
+    long long v = value && *value ? strtoll(value, &end, 0) : 0;
+    return value && *value && !*end && v == 1;
+}
+
 mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const mp_cuda_lib *cuda,
                        mp_transport **out, char *err, size_t errlen)
 {
+    /* A blocking communicator's init and group ends block inside NCCL, where no timeout, peer's
+     * failure or Ctrl-C can reach them: refused, rather than silently unabortable. */
+    if (env_forces_blocking()) {
+        snprintf(err, errlen, "NCCL_COMM_BLOCKING=1 in the environment makes NCCL's communicators blocking (it "
+                 "overrides the nonblocking config this backend asks for), and a blocking call could then not be "
+                 "ended by a timeout, a peer's failure or Ctrl-C: unset it, or set it to 0");
+        return MP_ERR_SYSTEM;
+    }
     nccl_t *n = calloc(1, sizeof *n);
     if (!n) {
         snprintf(err, errlen, "out of memory");

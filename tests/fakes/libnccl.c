@@ -443,6 +443,14 @@ ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, i
         }
         blocking = prefix->blocking != 0;
     }
+    /* NCCL_COMM_BLOCKING, when it reads 0 or 1, overrides the config's blocking field (src/init.cc:
+     * envConfigOverride, NCCL_PARAM(CommBlocking)); NCCL reads it once per process, the model at each
+     * init. */
+    const char *blocking_env = getenv("NCCL_COMM_BLOCKING");
+    char *blocking_end;
+    long long forced = blocking_env && blocking_env[0] ? strtoll(blocking_env, &blocking_end, 0) : -1;
+    if (forced >= 0 && !*blocking_end && (forced == 0 || forced == 1))
+        blocking = (int)forced;
     CUcontext ctx = mpfake_current_context();
     if (!ctx) {
         log_warning("ncclCommInitRankConfig: no current CUDA context on this thread");

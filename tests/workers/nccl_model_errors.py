@@ -2,6 +2,7 @@
   async   an exchange on a communicator that the fake fails with an asynchronous error (the
           environment says which, and whether the fake logs a warning for it)
   create  creating a two-rank communicator whose rank 1 never comes, with a short timeout
+  one_rank  creating a one-rank communicator (the environment may hold NCCL_COMM_BLOCKING)
 With params["stale"], an earlier call that has nothing to do with the communicator fails first
 (ncclGroupEnd without ncclGroupStart, as another user of the same libnccl in the process, torch's
 ProcessGroupNCCL say, might make), leaving NCCL's process-wide last error set. Reports what the
@@ -25,6 +26,11 @@ def body(params):
         nccl.ncclGetLastError.restype = ctypes.c_char_p
         assert nccl.ncclGroupEnd() == 5  # ncclInvalidUsage
         out["stale"] = nccl.ncclGetLastError(None).decode()
+    if params["case"] == "one_rank":  # a one-rank communicator, made and closed
+        ids = b"".join(mp._C.nccl_unique_id() for _ in range(2))
+        out["create"] = harness.caught(lambda: mp._C.Communicator(
+            "nccl", ids, 0, [0], device=0, stream=mp.nccl.stream_handle(0), timeout=10.0).close())
+        return out
     if params["case"] == "create":
         ids = b"".join(mp._C.nccl_unique_id() for _ in range(2))  # one per lane
         out["create"] = harness.caught(lambda: mp._C.Communicator(
