@@ -9,6 +9,7 @@ import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
 from . import _C
 
@@ -125,7 +126,10 @@ class AbortRelay:
         self._rank = rank  # this process's global rank: the cause its peers will name
 
     def publish(self, message: Optional[str]) -> None:
-        self._store.set(self._key, json.dumps({"rank": self._rank, "message": message or "aborted"}).encode())
+        try:
+            self._store.set(self._key, json.dumps({"rank": self._rank, "message": message or "aborted"}).encode())
+        except dist.DistError:
+            pass  # the store's host is gone: the job is ending, and its peers learn of it themselves
 
     def relayed(self) -> Optional[tuple[int, str]]:
         """The global rank that published an abort and the first line of its reason, or None while

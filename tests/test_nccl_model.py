@@ -363,6 +363,22 @@ def test_close_with_nothing_pending_returns_at_once():
     assert v["close_seconds"] < 0.5, v
 
 
+def test_a_close_with_an_op_pending_tells_the_peers_at_once():
+    """The peer, whose timeout is 60 s, fails as soon as rank 0's close() gives up on its send
+    (after rank 0's 2 s timeout), naming rank 0, instead of at its own timeout."""
+    ranks = run_ranks("nccl_model_faults.py", 2, {"case": "close_tells", "timeouts": [2.0, 60.0]})
+    wait = ranks[1]["wait"]  # run_ranks: in rank order
+    assert wait["type"] == "P2PError" and "rank 0 closed the communicator with 1 op(s) pending" in wait["msg"], wait
+    assert wait["elapsed"] < ranks[0]["close_seconds"] + 5.0, (wait, ranks[0])
+
+
+def test_a_close_with_every_op_finished_tells_the_peers_nothing():
+    ranks = run_ranks("nccl_model_faults.py", 2, {"case": "close_tells", "idle": True, "timeouts": [2.0, 60.0],
+                                                  "wait": 3.0})
+    wait = ranks[1]["wait"]
+    assert wait["type"] == "P2PTimeoutError" and "closed the communicator" not in wait["msg"], wait
+
+
 # ---- NCCL's last error is the process's, not the communicator's ------------------------------------
 # ncclGetLastError(comm) ignores comm: it returns the last warning of any communicator or thread in
 # the process, never cleared (NCCL 2.30: src/debug.cc ncclDebugLogV, src/init.cc ncclGetLastError).

@@ -7,12 +7,34 @@
 #include "core/dtype.h"
 #include "errors.h"
 
+/* After a destroy: the ops it failed as closed were pending on their peers too, which a device
+ * transport's peers learn only through on_abort (shm's read the shared segment themselves). */
+static void tell_peers_of_closed_ops(CommObject *self)
+{
+    Py_ssize_t closed = 0, n = PyList_GET_SIZE(self->inflight);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const mp_op *op = &((RequestObject *)PyList_GET_ITEM(self->inflight, i))->op;
+        closed += mp_op_done(op) && op->result == MP_ERR_CLOSED;
+    }
+    if (!closed || !self->on_abort)
+        return;
+    PyObject *why = PyUnicode_FromFormat("rank %d closed the communicator with %zd op(s) pending",
+                                         self->global_ranks[self->group_rank], closed);
+    if (!why) {
+        PyErr_WriteUnraisable((PyObject *)self);
+        return;
+    }
+    mp_comm_publish_abort(self, why);
+    Py_DECREF(why);
+}
+
 /* The one release path of a transport, once no call is inside it. */
 static void destroy_transport(CommObject *self, mp_transport *t)
 {
     Py_BEGIN_ALLOW_THREADS
     t->ops->destroy(t);
     Py_END_ALLOW_THREADS
+    tell_peers_of_closed_ops(self);
     mp_comm_prune(self);
 }
 

@@ -3,7 +3,12 @@
   silent    one exchange and synchronize(timeout), while the fake keeps a rank from posting
             ("wait" is one timeout for all ranks, or a list with one per rank); then one more exchange
   close     an exchange left pending (the peer never posts), then close(): how long it takes
+  close_tells  rank 0 closes with a send pending (timeout params["timeouts"][0]) while rank 1, whose
+            timeout is far longer, waits on its own send to rank 0: how soon rank 1 hears of it;
+            with "idle", rank 0's ops have all completed when it closes, and rank 1 then waits
+            params["wait"] on a send that rank 0 never receives
 Each rank reports what its calls raised (harness.caught) and how long they took."""
+import os
 import time
 
 import harness
@@ -18,7 +23,8 @@ def body(params):
     on = nccl_model_cuda.on_device
     case = params["case"]
     out = {}
-    comm = mp.init_communicator(backend="nccl", timeout=params.get("timeout", 20.0))
+    timeout = params["timeouts"][int(os.environ["RANK"])] if "timeouts" in params else params.get("timeout", 20.0)
+    comm = mp.init_communicator(backend="nccl", timeout=timeout)
     if case == "mismatch":
         n = 1000 if comm.rank == 0 or params.get("agree") else 999
         t = torch.arange(n, dtype=torch.int32)
@@ -37,9 +43,36 @@ def body(params):
         t = torch.ones(64, dtype=torch.float32)
         got = torch.zeros(64, dtype=torch.float32)
         comm.exchange(send_next=on(t), recv_prev=on(got))
+    elif case == "close_tells":
+        return close_tells(comm, params, out, on, torch)
     start = time.monotonic()
     comm.close()
     out["close_seconds"] = time.monotonic() - start
+    return out
+
+
+def close_tells(comm, params, out, on, torch):
+    t = torch.ones(4096, dtype=torch.float32)
+    got = torch.zeros(4096, dtype=torch.float32)
+    peer = comm.ranks[1 - comm.rank]
+    if params.get("idle"):
+        for r in comm.exchange(send_next=on(t), recv_prev=on(got)).values():
+            r.synchronize()
+        if comm.rank == 0:
+            comm.close()
+            time.sleep(params["wait"] + 3.0)  # alive, so only a relayed abort could fail rank 1's op
+            return out
+        req = comm.isend(on(t), peer)
+        out["wait"] = harness.caught(lambda: req.synchronize(timeout=params["wait"]))
+        return out
+    req = comm.isend(on(t), peer)
+    if comm.rank == 0:
+        start = time.monotonic()
+        comm.close()
+        out["close_seconds"] = time.monotonic() - start
+        time.sleep(5.0)
+        return out
+    out["wait"] = harness.caught(lambda: req.synchronize())
     return out
 
 
