@@ -137,6 +137,97 @@ def test_a_later_successful_call_leaves_the_last_error_as_it_was(promises):
     assert promises["says_after_success"] == promises["after_abort_says"]
 
 
+# ncclCommAbort and CUDA graphs (NCCL 2.30: src/enqueue.cc ncclLaunchPrepare, persistentDestructor;
+# src/init.cc commDestroySync waits for comm->localPersistentRefs == 0).
+
+def test_abort_returns_at_once_when_no_graph_captured_work_on_the_communicator(promises):
+    assert promises["abort_without_graph_s"] < 0.1
+
+
+def test_abort_blocks_while_a_graph_or_an_instance_that_captured_work_on_the_communicator_lives(promises):
+    assert promises["captured_bytes"] == list(range(8))
+    assert not promises["abort_returned_with_graph_and_instance"]
+    assert not promises["abort_returned_with_instance_only"]
+
+
+def test_abort_returns_right_after_the_last_graph_holder_is_destroyed(promises):
+    assert promises["abort_with_graph_result"] == 0 and promises["abort_after_last_holder_s"] < 0.2
+
+
+# ncclGroupEnd (NCCL 2.30: src/group.cc ncclGroupEndInternal; src/init.cc ncclCommGetAsyncError,
+# ncclCommEnsureReady, ncclCommAbort).
+
+def test_with_group_thread_a_nonblocking_group_end_with_work_answers_in_progress_on_a_new_thread_every_time(promises):
+    """MPFAKE_NCCL_GROUP_THREAD=1: as NCCL."""
+    assert promises["nonblocking_group_end"] == [7] * 5  # ncclInProgress
+    assert promises["nonblocking_group_threads"] == [1] * 5
+    assert promises["nonblocking_group_bytes"] == list(range(8))
+
+
+def test_without_group_thread_an_undelayed_nonblocking_group_launches_on_the_caller(promises):
+    """The model's default, kept while the transport's fault tests rely on it."""
+    assert promises["undelayed_group_end_without_group_thread"] == [0, 0]
+
+
+def test_a_blocking_group_end_launches_on_the_calling_thread_and_returns_its_result(promises):
+    assert promises["blocking_group_end"] == 0 and promises["blocking_group_threads"] == 0
+
+
+def test_a_nonblocking_group_end_without_work_starts_no_thread(promises):
+    assert promises["empty_nonblocking_group_end"] == 0 and promises["empty_group_threads"] == 0
+
+
+def test_a_send_while_a_group_is_in_progress_is_an_invalid_argument(promises):
+    assert promises["slow_group_end"] == 7
+    assert promises["send_while_group_in_progress"] == 4  # ncclInvalidArgument
+    assert "still in progress" in promises["send_while_group_in_progress_says"]
+
+
+def test_a_send_after_the_group_settled_is_accepted(promises):
+    assert promises["send_after_group_settled"] == 0
+
+
+def test_abort_joins_a_group_thread_still_waiting_at_once_and_launches_nothing(promises):
+    assert promises["abort_during_group_thread_s"] < 0.5
+    assert promises["aborted_group_bytes"] == [0] * 8
+
+
+# Buffered small sends, MPFAKE_NCCL_EAGER_BYTES (NCCL 2.30: src/device/prims_simple.h waitPeer;
+# src/transport.cc ncclTransportP2pSetup).
+
+def test_with_eager_bytes_a_small_send_completes_before_its_receive_is_posted(promises):
+    assert promises["eager_small"] == {"completed_without_receive": True, "exact": True}
+
+
+def test_without_eager_bytes_a_send_waits_for_its_receive(promises):
+    assert promises["eager_off"] == {"completed_without_receive": False, "exact": True}
+
+
+def test_a_send_above_the_eager_threshold_waits_for_its_receive(promises):
+    assert promises["eager_above"] == {"completed_without_receive": False, "exact": True}
+
+
+def test_buffered_sends_arrive_exactly_and_in_order_when_their_receives_are_posted(promises):
+    assert promises["eager_several_in_order"] == {"completed_without_receive": True, "exact": True}
+
+
+# Launch order, MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT (NCCL 2.30: src/enqueue.cc getImplicitOrder,
+# ncclLaunchPrepare, ncclLaunchFinish): rank 0 issues comm A then B, rank 1 B then A.
+
+def test_without_implicit_launch_order_two_communicators_issued_in_opposite_orders_complete(promises):
+    assert promises["launch_order_none"] == {"completed": True, "ended_after_abort": True}
+
+
+def test_with_serial_implicit_launch_order_opposite_orders_stall_until_aborted(promises):
+    assert promises["launch_order_serial"] == {"completed": False, "ended_after_abort": True}
+
+
+def test_with_launch_completion_order_opposite_orders_complete(promises):
+    """CUDA 12.3+: a kernel waits only for the previous one to start; the model has no limit on
+    resident kernels, so no stall (on a GPU it may still stall if the kernels cannot co-reside)."""
+    assert promises["launch_order_launch"] == {"completed": True, "ended_after_abort": True}
+
+
 # ---- the loader --------------------------------------------------------------------------------
 
 LOAD = """

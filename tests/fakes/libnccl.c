@@ -6,14 +6,18 @@
  * What it promises, as NCCL does (DESIGN.md, "Semantics"):
  *   - the k-th send from A to B on a communicator matches the k-th receive by B from A;
  *   - a communicator's ops run in order on their stream; the ops of one group progress
- *     together; a send does not complete before its receive is posted;
+ *     together; a send does not complete before its receive is posted (unless
+ *     MPFAKE_NCCL_EAGER_BYTES lets a small one be buffered, as NCCL's connection buffers do);
  *   - a self send is legal only with its receive in the same group;
- *   - nonblocking communicators answer ncclInProgress from init and, at random, from
- *     ncclGroupEnd, until ncclCommGetAsyncError says otherwise (the launch of an in-progress
- *     group happens in the first ncclCommGetAsyncError past its delay, which the caller must
- *     poll anyway before using the communicator again);
- *   - ncclCommAbort unblocks the communicator's stuck work, never waits for peers, and ends the
- *     communicator: any later call on it fails;
+ *   - nonblocking communicators answer ncclInProgress from init and from ncclGroupEnd with work:
+ *     the group is launched on a thread of its own, and the ncclCommGetAsyncError that reads
+ *     ncclSuccess joins that thread (a blocking communicator's group launches on the caller's
+ *     thread). NCCL does so for every such group; the model, unless MPFAKE_NCCL_GROUP_THREAD=1,
+ *     only for the groups MPFAKE_NCCL_GROUP_IN_PROGRESS_* delays, and launches the others on the
+ *     caller's thread, answering their result;
+ *   - ncclCommAbort unblocks the communicator's stuck work, never waits for peers, joins a group
+ *     thread still running, waits until every CUDA graph that captured work on the communicator
+ *     is destroyed, and ends the communicator: any later call on it fails;
  *   - CUDA graphs: ops whose stream is capturing are captured (the fake libcuda records their
  *     kernels) and run again at each launch of the graph; a communicator's streams in one group
  *     must be all uncaptured or all captured by the same capture (else ncclInvalidUsage, as
@@ -28,10 +32,12 @@
  * Every message goes to the one process-wide last error, as NCCL's warnings do (see log_warning).
  * docs/nccl-model.md lists each modelled behaviour with the NCCL or CUDA source it follows.
  *
- * Fault injection (environment, read at ncclCommInitRankConfig):
+ * Options and fault injection (environment, read at ncclCommInitRankConfig):
  *   MPFAKE_NCCL_INIT_IN_PROGRESS_MS=N  nonblocking init stays in progress a random 0..N ms (default 20)
- *   MPFAKE_NCCL_GROUP_IN_PROGRESS_MS=N nonblocking ncclGroupEnd returns ncclInProgress for a random
- *                                      0..N ms, every other group at random (default 5; 0: never)
+ *   MPFAKE_NCCL_GROUP_THREAD=1         every nonblocking ncclGroupEnd with work starts a thread and answers
+ *                                      ncclInProgress, as NCCL's does (default 0: only the delayed ones below)
+ *   MPFAKE_NCCL_GROUP_IN_PROGRESS_MS=N a nonblocking group's thread waits a random 0..N ms before it
+ *                                      launches, every other group at random (default 5; 0: never)
  *   MPFAKE_NCCL_DELAY_MS=N             each kernel waits N ms before it starts (slow kernels)
  *   MPFAKE_NCCL_ASYNC_ERROR_AFTER=N    after N completed ops on a communicator, it reports an async
  *   MPFAKE_NCCL_ASYNC_ERROR_CODE=C     error C (default 6, ncclRemoteError) and its kernels stall
@@ -43,8 +49,16 @@
  *   MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER=N  ... only after a communicator's first N groups (default 0)
  *   MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY=1  ... for every group, for exactly N ms
  *   MPFAKE_NCCL_SEED=S                 seed of the random in-progress durations (default: pid)
- *   MPFAKE_NCCL_LOG=PATH               appends one line per ncclInProgress answered (for tests to see
- *                                      that a path was taken): "init-in-progress MS", "group-in-progress MS" */
+ *   MPFAKE_NCCL_EAGER_BYTES=N          a send of at most N bytes (capped at 64 KiB) to another rank
+ *                                      completes once buffered, without its receive, after that
+ *                                      rank has posted a receive from this one (default 0: never)
+ *   MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT=M  NCCL_LAUNCH_ORDER_IMPLICIT=1: the uncaptured kernels of all
+ *                                      communicators on a device start in host launch order; M=1: each
+ *                                      once the one before has finished (NCCL's serial order), M=2: once
+ *                                      it has started (NCCL's launch-completion order); 0 (default): none
+ *   MPFAKE_NCCL_LOG=PATH               appends one line per injected delay (for tests to see that a
+ *                                      path was taken): "init-in-progress MS", "group-in-progress MS"
+ * mpfake_nccl_group_threads() counts the group threads the process has started. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -81,6 +95,11 @@ typedef enum {
 #define RING 64              /* receives a rank may have posted ahead of their sends */
 #define CHUNK (64 * 1024)    /* bytes in flight per directed pair */
 #define MAX_GROUP_OPS 4096
+/* Sends a connection buffers ahead of their receives: NCCL's send primitive runs up to NCCL_STEPS
+ * steps ahead of the receiver's head (src/include/device.h: NCCL_STEPS; src/device/prims_simple.h:
+ * waitPeer). The model keeps one whole small send per step. */
+#define EAGER_SLOTS 8
+#define EAGER_MAX CHUNK
 
 typedef struct {
     char internal[128];
@@ -98,6 +117,14 @@ typedef struct {
     _Atomic uint64_t produced, consumed; /* chunks through `data` */
     uint64_t chunk_len;
     char data[CHUNK];
+    _Atomic uint64_t announced;  /* sends the source has started, in order; each described below */
+    struct {
+        uint64_t count;
+        int type;
+        int eager;               /* its bytes are in the next eager slot */
+    } sent[RING];
+    _Atomic uint64_t eager_put, eager_taken; /* whole sends through `eager` */
+    char eager[EAGER_SLOTS][EAGER_MAX];      /* untouched (no memory) unless eager sends are on */
 } channel;
 
 typedef struct {
@@ -120,9 +147,12 @@ typedef struct {
     int async_error_code, async_error_quiet;
     int silent_rank;
     long silent_after;
+    long eager_bytes;
+    int group_thread;          /* every nonblocking group on a thread, as NCCL (else: only delayed ones) */
+    int launch_order;          /* 0 none, 1 serial (after the previous finished), 2 after it started */
 } faults;
 
-struct launch;
+struct group_job;
 
 typedef struct ncclComm {
     int alive;                 /* 0 once aborted: every later call fails */
@@ -139,8 +169,8 @@ typedef struct ncclComm {
     long groups;
     uint64_t send_seq[MAX_RANKS], recv_seq[MAX_RANKS]; /* numbered, per peer */
     _Atomic uint64_t sends_done[MAX_RANKS], recvs_done[MAX_RANKS];
-    struct launch *pending;    /* an in-progress ncclGroupEnd's work, launched when it settles */
-    struct timespec pending_until;
+    struct group_job *job;     /* the nonblocking group whose thread it has not joined yet (lib_lock) */
+    _Atomic long persistent_refs; /* captured kernels whose graph still lives */
     faults f;
     _Atomic int mismatch_logged; /* the segment's mismatch, logged when this rank first saw it */
     pthread_t init_thread;
@@ -160,8 +190,13 @@ typedef struct {
 
 /* One kernel: a group's ops of one communicator on one stream. A captured one runs at each launch
  * of its graph, so what one run changes lives in op_run. */
+typedef struct launch_order launch_order;
+
 typedef struct {
     comm_t *comm;
+    int persistent;            /* captured: released when its graph is gone */
+    launch_order *order;       /* its device's order, when launch order is implicit */
+    uint64_t ticket;           /* its place in that order */
     int nops;
     op_t ops[];
 } task_t;
@@ -171,6 +206,7 @@ typedef struct {
     int silent;      /* injected: it never posts */
     size_t progress; /* bytes moved */
     int flag;        /* posted (receive) or matched (send) */
+    int announced;   /* send: described to the receiver */
     int done;
 } op_run;
 
@@ -327,6 +363,8 @@ const char *ncclGetLastError(comm_t *comm)
     return last_error;
 }
 
+static void complete_job(comm_t *c);
+
 /* A usable communicator, or the error its use is. */
 static ncclResult_t usable(comm_t *c, const char *call)
 {
@@ -342,6 +380,8 @@ static ncclResult_t usable(comm_t *c, const char *call)
      * still in progress is refused with a warning and ncclInvalidArgument; one in error returns
      * that error as it is, and logs nothing. */
     int state = atomic_load(&c->state);
+    if (state == ncclSuccess) /* the check polls ncclCommGetAsyncError, which joins a finished group */
+        complete_job(c);
     if (state == ncclInProgress) {
         log_warning("%s on a nonblocking communicator still in progress: poll ncclCommGetAsyncError until it "
                     "returns ncclSuccess first", call);
@@ -475,6 +515,9 @@ ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, i
     c->f.async_error_quiet = env_long("MPFAKE_NCCL_ASYNC_ERROR_QUIET", 0) != 0;
     c->f.silent_rank = (int)env_long("MPFAKE_NCCL_SILENT_RANK", -1);
     c->f.silent_after = env_long("MPFAKE_NCCL_SILENT_AFTER", 0);
+    c->f.group_thread = env_long("MPFAKE_NCCL_GROUP_THREAD", 0) != 0;
+    c->f.eager_bytes = env_long("MPFAKE_NCCL_EAGER_BYTES", 0);
+    c->f.launch_order = (int)env_long("MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT", 0);
     *out = c;
     if (blocking) {
         ncclResult_t r = join(c);
@@ -509,6 +552,34 @@ static void count_done(comm_t *c)
                     c->rank);
 }
 
+/* Claims the communicator's one mismatch error and publishes it (text first) to every rank. */
+static void report_mismatch(comm_t *c, int src, int dst, uint64_t sent, int sent_type, uint64_t recvd, int recvd_type)
+{
+    int none = 0;
+    if (atomic_compare_exchange_strong(&c->seg->error_claimed, &none, 1)) {
+        snprintf(c->seg->error_text, sizeof c->seg->error_text,
+                 "rank %d sent %llu x %s to rank %d, which receives %llu x %s", src, (unsigned long long)sent,
+                 type_name(sent_type), dst, (unsigned long long)recvd, type_name(recvd_type));
+        atomic_store(&c->seg->error, ncclInvalidUsage);
+    }
+}
+
+/* A buffered send's bytes, taken by its receive: 1 when done. */
+static int take_eager(comm_t *c, const op_t *o, op_run *st, channel *ch)
+{
+    uint64_t count = ch->sent[st->seq % RING].count;
+    int type = ch->sent[st->seq % RING].type;
+    if (count != o->count || type != o->type) {
+        report_mismatch(c, o->peer, c->rank, count, type, o->count, o->type);
+        return 0;
+    }
+    uint64_t slot = atomic_load(&ch->eager_taken);
+    memcpy(o->buf, ch->eager[slot % EAGER_SLOTS], o->count * type_size(o->type));
+    atomic_store(&ch->eager_taken, slot + 1); /* frees the slot, as the receiver's head returns credit */
+    atomic_store(&c->recvs_done[o->peer], st->seq + 1);
+    return 1;
+}
+
 /* One step of a receive; 1 when it is complete. `progress` carries the bytes taken so far. */
 static int recv_step(comm_t *c, const op_t *o, op_run *st)
 {
@@ -523,8 +594,12 @@ static int recv_step(comm_t *c, const op_t *o, op_run *st)
         atomic_store(&ch->posted, st->seq + 1);
         *posted = 1;
     }
-    if (atomic_load(&c->recvs_done[o->peer]) != st->seq || atomic_load(&ch->matched) <= st->seq)
-        return 0; /* an earlier receive from the peer first; then its send must have matched */
+    if (atomic_load(&c->recvs_done[o->peer]) != st->seq || atomic_load(&ch->announced) <= st->seq)
+        return 0; /* an earlier receive from the peer first, and its send must have started */
+    if (ch->sent[st->seq % RING].eager)
+        return take_eager(c, o, st, ch);
+    if (atomic_load(&ch->matched) <= st->seq)
+        return 0; /* a rendezvous send, which has yet to find this receive */
     size_t total = o->count * type_size(o->type);
     if (*progress < total && atomic_load(&ch->produced) > atomic_load(&ch->consumed)) {
         memcpy((char *)o->buf + *progress, ch->data, ch->chunk_len);
@@ -537,25 +612,62 @@ static int recv_step(comm_t *c, const op_t *o, op_run *st)
     return 1;
 }
 
+/* Whether a send may complete into the connection's buffers, before its receive is posted. NCCL's
+ * send primitive waits only for a free step of the peer's buffer (src/device/prims_simple.h:
+ * waitPeer polls the receiver's head, NCCL_STEPS ahead; src/device/sendrecv.h: runSend), so a
+ * send whose chunks fit the free steps completes without its receive; the buffer exists once the
+ * connection is set up, which happens in the first group with an op for that peer and waits for
+ * the peer's side (src/enqueue.cc: p2pTaskAppend marks the connection, src/group.cc:
+ * ncclP2PPreconnectFunc, src/transport.cc: ncclTransportP2pSetup exchanges with the peer). The
+ * model: on, small, not to self (a self send is a copy in the kernel: src/enqueue.cc:
+ * addP2pToPlan), and the peer has posted a receive from this rank before. */
+static int may_buffer(comm_t *c, const op_t *o, channel *ch)
+{
+    size_t total = o->count * type_size(o->type);
+    return c->f.eager_bytes > 0 && total <= (size_t)c->f.eager_bytes && total <= EAGER_MAX &&
+           o->peer != c->rank && atomic_load(&ch->posted) > 0;
+}
+
+/* Describes the send to the receiver, in order, buffering its bytes when it may: 1 when that
+ * completed it. 0 with st->announced unset: no free slot yet. */
+static int announce(comm_t *c, const op_t *o, op_run *st, channel *ch)
+{
+    int eager = may_buffer(c, o, ch);
+    uint64_t slot = atomic_load(&ch->eager_put);
+    if (eager && slot - atomic_load(&ch->eager_taken) >= EAGER_SLOTS)
+        return 0; /* every step in use: wait for the receiver to free one */
+    ch->sent[st->seq % RING].count = o->count;
+    ch->sent[st->seq % RING].type = o->type;
+    ch->sent[st->seq % RING].eager = eager;
+    if (eager) {
+        memcpy(ch->eager[slot % EAGER_SLOTS], o->buf, o->count * type_size(o->type));
+        atomic_store(&ch->eager_put, slot + 1);
+    }
+    atomic_store(&ch->announced, st->seq + 1); /* published after what it describes */
+    st->announced = 1;
+    if (!eager)
+        return 0;
+    atomic_store(&c->sends_done[o->peer], st->seq + 1);
+    return 1;
+}
+
 static int send_step(comm_t *c, const op_t *o, op_run *st)
 {
     size_t *progress = &st->progress;
     int *matched = &st->flag;
     channel *ch = chan(c, c->rank, o->peer);
-    if (atomic_load(&c->sends_done[o->peer]) != st->seq || atomic_load(&ch->posted) <= st->seq)
-        return 0; /* strict rendezvous: the receive must be posted */
+    if (atomic_load(&c->sends_done[o->peer]) != st->seq)
+        return 0; /* the earlier sends to the peer first */
+    if (!st->announced)
+        return announce(c, o, st, ch);
+    if (atomic_load(&ch->posted) <= st->seq)
+        return 0; /* rendezvous: the receive must be posted */
     size_t total = o->count * type_size(o->type);
     if (!*matched) {
         uint64_t count = ch->post[st->seq % RING].count;
         int type = ch->post[st->seq % RING].type;
         if (count != o->count || type != o->type) {
-            int none = 0;
-            if (atomic_compare_exchange_strong(&c->seg->error_claimed, &none, 1)) {
-                snprintf(c->seg->error_text, sizeof c->seg->error_text,
-                         "rank %d sent %zu x %s to rank %d, which receives %llu x %s", c->rank, o->count,
-                         type_name(o->type), o->peer, (unsigned long long)count, type_name(type));
-                atomic_store(&c->seg->error, ncclInvalidUsage); /* published after its text */
-            }
+            report_mismatch(c, c->rank, o->peer, o->count, o->type, count, type);
             return 0;
         }
         atomic_store(&ch->matched, st->seq + 1);
@@ -589,9 +701,9 @@ static void number_ops(const task_t *t, op_run *st)
     pthread_mutex_unlock(&lib_lock);
 }
 
-static void run_task(void *arg)
+/* Runs the kernel's ops together until all are done or the communicator is aborted. */
+static void run_ops(const task_t *t)
 {
-    const task_t *t = arg;
     comm_t *c = t->comm;
     if (atomic_load(&c->aborted))
         return;
@@ -613,13 +725,13 @@ static void run_task(void *arg)
             if (st->done || st->silent)
                 continue;
             size_t before = st->progress;
-            int before_flag = st->flag;
+            int before_flags = st->flag + 2 * st->announced;
             if (o->send ? send_step(c, o, st) : recv_step(c, o, st)) {
                 st->done = 1;
                 left--;
                 count_done(c);
             }
-            moved |= st->done || st->progress != before || st->flag != before_flag;
+            moved |= st->done || st->progress != before || st->flag + 2 * st->announced != before_flags;
         }
         if (moved)
             spins = 0;
@@ -627,6 +739,65 @@ static void run_task(void *arg)
             pause_for(spins);
     }
     free(run);
+}
+
+/* ---- implicit launch order ----------------------------------------------------------------------
+ * NCCL_LAUNCH_ORDER_IMPLICIT (src/enqueue.cc: NCCL_PARAM(LaunchOrderImplicit), getImplicitOrder)
+ * makes each launch wait on a per-device "launch order" stream (ncclLaunchPrepare) that the
+ * launch then advances (ncclLaunchFinish): by the kernel's completion event when CUDA is older
+ * than 12.3, or while capturing with a driver older than 12.9 (serial), else by its launch
+ * completion event, which fires once the kernel has started (launch). The model: per device
+ * (context), each uncaptured kernel takes the next ticket as it is enqueued and starts once the
+ * previous ticket has finished (1) or started (2). Captured kernels are not ordered. */
+struct launch_order {
+    CUcontext ctx;
+    uint64_t issued;           /* order_lock */
+    _Atomic uint64_t released; /* tickets whose successor may start */
+};
+
+static pthread_mutex_t order_lock = PTHREAD_MUTEX_INITIALIZER;
+static launch_order orders[16];
+
+static launch_order *order_of(CUcontext ctx)
+{
+    for (size_t i = 0; i < sizeof orders / sizeof *orders; i++)
+        if (orders[i].ctx == ctx || !orders[i].ctx) {
+            orders[i].ctx = ctx;
+            return &orders[i];
+        }
+    return NULL; /* more contexts than the model orders: unordered */
+}
+
+static void wait_turn(const task_t *t)
+{
+    for (unsigned spins = 0; atomic_load(&t->order->released) != t->ticket; spins++)
+        pause_for(spins);
+}
+
+static void pass_turn(const task_t *t) { atomic_store(&t->order->released, t->ticket + 1); }
+
+static void run_task(void *arg)
+{
+    const task_t *t = arg;
+    int serial = t->order && t->comm->f.launch_order == 1;
+    if (t->order)
+        wait_turn(t);
+    if (t->order && !serial)
+        pass_turn(t);
+    run_ops(t);
+    if (serial)
+        pass_turn(t); /* an aborted kernel ends too, and lets the next one start */
+}
+
+/* The driver's release of a kernel: a captured one's graph, and every instance, is gone. NCCL
+ * counts a captured plan in comm->localPersistentRefs (src/enqueue.cc: ncclLaunchPrepare) until
+ * the graph's destructor hands it back (persistentDestructor, reclaimPlan). */
+static void release_task(void *arg)
+{
+    task_t *t = arg;
+    if (t->persistent)
+        atomic_fetch_sub(&t->comm->persistent_refs, 1);
+    free(t);
 }
 
 /* ---- groups ----------------------------------------------------------------------------------- */
@@ -694,13 +865,41 @@ static int capture_unchanged(const task_t *t, CUstream stream)
     return mpfake_stream_capture(t->ops[0].ctx, stream, &status, &now) == CUDA_SUCCESS && now == t->ops[0].capture;
 }
 
-/* Enqueues each task (the driver owns it from there); returns the first failure, which is also
- * left as its communicator's state. */
+/* Hands one kernel to its stream (the driver owns it from there). A captured one holds a
+ * reference on its communicator until its graph is gone; an uncaptured one takes its place in
+ * the device's launch order, if ordered. */
+static CUresult enqueue_task(task_t *t, CUstream stream)
+{
+    comm_t *c = t->comm;
+    t->persistent = t->ops[0].capture != 0;
+    if (t->persistent)
+        atomic_fetch_add(&c->persistent_refs, 1);
+    int ordered = !t->persistent && c->f.launch_order > 0;
+    if (ordered) {
+        pthread_mutex_lock(&order_lock); /* the ticket and the stream's queue in one order */
+        t->order = order_of(c->ctx);
+        t->ticket = t->order ? t->order->issued : 0;
+    }
+    launch_order *order = t->order;
+    CUresult r = mpfake_stream_enqueue_owned(t->ops[0].ctx, stream, run_task, t, release_task);
+    if (ordered) {
+        if (r == CUDA_SUCCESS && order)
+            order->issued++;
+        pthread_mutex_unlock(&order_lock);
+    }
+    if (r != CUDA_SUCCESS && t->persistent)
+        atomic_fetch_sub(&c->persistent_refs, 1);
+    return r;
+}
+
+/* Enqueues each task; returns the first failure, which is also left as its communicator's
+ * state. The launch keeps `l`. */
 static ncclResult_t launch(launch_t *l)
 {
     ncclResult_t first = ncclSuccess;
     for (int i = 0; i < l->ntasks; i++) {
         task_t *t = l->tasks[i];
+        l->tasks[i] = NULL; /* the driver's, or freed */
         ncclResult_t r = ncclSuccess;
         CUresult cr = CUDA_SUCCESS;
         if (!capture_unchanged(t, l->streams[i])) {
@@ -708,7 +907,7 @@ static ncclResult_t launch(launch_t *l)
                         "that capture ended: poll ncclCommGetAsyncError until ncclSuccess before ending the capture",
                         t->ops[0].capture);
             r = ncclInvalidUsage;
-        } else if ((cr = mpfake_stream_enqueue_owned(t->ops[0].ctx, l->streams[i], run_task, t, free)) != CUDA_SUCCESS) {
+        } else if ((cr = enqueue_task(t, l->streams[i])) != CUDA_SUCCESS) {
             log_warning("launching a kernel on its stream failed (CUDA error %d)", cr);
             r = ncclUnhandledCudaError;
         }
@@ -719,13 +918,149 @@ static ncclResult_t launch(launch_t *l)
                 first = r;
         }
     }
-    free(l->tasks);
-    free(l->streams);
-    free(l);
     return first;
 }
 
-/* The group's ops as one kernel per (communicator, stream), in issue order. */
+static void free_launch(launch_t *l)
+{
+    for (int i = 0; i < l->ntasks; i++)
+        free(l->tasks[i]); /* those never launched */
+    free(l->tasks);
+    free(l->streams);
+    free(l);
+}
+
+/* A self send needs its receive in the same group, and the reverse: NCCL finds one without the
+ * other while it plans the launch (src/enqueue.cc: scheduleP2pTasksToPlan), so on a nonblocking
+ * group's thread. */
+static ncclResult_t check_self_sends(const launch_t *l)
+{
+    for (int k = 0; k < l->ntasks; k++) {
+        comm_t *c = l->tasks[k]->comm;
+        int balance = 0;
+        for (int j = 0; j < l->ntasks; j++)
+            for (int i = 0; l->tasks[j]->comm == c && i < l->tasks[j]->nops; i++)
+                if (l->tasks[j]->ops[i].peer == c->rank)
+                    balance += l->tasks[j]->ops[i].send ? 1 : -1;
+        if (balance != 0) {
+            log_warning("a self send on rank %d without its receive in the same group (or the reverse)", c->rank);
+            return ncclInvalidUsage;
+        }
+    }
+    return ncclSuccess;
+}
+
+static ncclResult_t launch_group(launch_t *l)
+{
+    ncclResult_t r = check_self_sends(l);
+    return r != ncclSuccess ? r : launch(l);
+}
+
+/* ---- a nonblocking group's thread -------------------------------------------------------------
+ * src/group.cc: ncclGroupEndInternal sets each of the group's communicators to ncclInProgress,
+ * starts a thread (STDTHREADCREATE of ncclAsyncJobMain -> groupLaunchNonBlocking) and returns
+ * ncclInProgress; groupLaunch sets every communicator's state to the group's result at its end
+ * (groupCleanup on failure). src/init.cc: ncclCommGetAsyncError, once the state reads ncclSuccess,
+ * joins the thread (ncclGroupJobComplete -> ncclAsyncJobComplete); ncclCommAbort joins it too,
+ * after flagging the job aborted (ncclCommEnsureReady -> ncclGroupJobAbort). */
+typedef struct group_job {
+    launch_t *l;
+    int delay_ms;              /* injected, before the launch */
+    pthread_t thread;
+    _Atomic int aborted, joined, refs;
+    int ncomms;
+    comm_t **comms;
+} group_job;
+
+static _Atomic long group_threads;
+
+/* For tests and benchmarks: the group threads this process has started. */
+long mpfake_nccl_group_threads(void) { return atomic_load(&group_threads); }
+
+static void *group_main(void *arg)
+{
+    group_job *j = arg;
+    for (int ms = 0; ms < j->delay_ms && !atomic_load(&j->aborted); ms++)
+        sleep_ms(1);
+    int aborted = atomic_load(&j->aborted);
+    ncclResult_t r = aborted ? ncclInvalidUsage : launch_group(j->l);
+    free_launch(j->l);
+    j->l = NULL;
+    int others = 0;
+    for (int k = 0; k < j->ncomms; k++) {
+        others |= j->comms[k]->alive;
+        atomic_store(&j->comms[k]->state, r);
+    }
+    if (aborted && others) /* the model's choice: the group dies with any of its communicators */
+        log_warning("a nonblocking group was not launched: ncclCommAbort ended one of its communicators first");
+    return NULL;
+}
+
+/* Joins the communicator's group thread, once for the whole group, and drops its hold on the job. */
+static void complete_job(comm_t *c)
+{
+    pthread_mutex_lock(&lib_lock);
+    group_job *j = c->job;
+    c->job = NULL;
+    pthread_mutex_unlock(&lib_lock);
+    if (!j)
+        return;
+    if (!atomic_exchange(&j->joined, 1))
+        pthread_join(j->thread, NULL);
+    if (atomic_fetch_sub(&j->refs, 1) == 1) {
+        free(j->comms);
+        free(j);
+    }
+}
+
+static ncclResult_t start_group_thread(launch_t *l, int delay_ms)
+{
+    group_job *j = calloc(1, sizeof *j);
+    comm_t **comms = calloc((size_t)l->ntasks, sizeof *comms);
+    if (!j || !comms) {
+        free(j);
+        free(comms);
+        free_launch(l);
+        return ncclSystemError;
+    }
+    j->l = l;
+    j->delay_ms = delay_ms;
+    j->comms = comms;
+    for (int k = 0; k < l->ntasks; k++) {
+        comm_t *c = l->tasks[k]->comm;
+        int seen = 0;
+        for (int i = 0; i < j->ncomms; i++)
+            seen |= j->comms[i] == c;
+        if (seen)
+            continue;
+        complete_job(c); /* none left: a send on it would have been refused, or joined it */
+        j->comms[j->ncomms++] = c;
+        atomic_store(&c->state, ncclInProgress);
+    }
+    atomic_store(&j->refs, j->ncomms);
+    pthread_mutex_lock(&lib_lock);
+    for (int i = 0; i < j->ncomms; i++)
+        j->comms[i]->job = j;
+    pthread_mutex_unlock(&lib_lock);
+    if (pthread_create(&j->thread, NULL, group_main, j) != 0) {
+        log_warning("ncclGroupEnd: starting the group's thread failed");
+        atomic_store(&j->joined, 1); /* nothing to join */
+        for (int i = 0; i < j->ncomms; i++) {
+            atomic_store(&j->comms[i]->state, ncclSystemError);
+            complete_job(j->comms[i]);
+        }
+        free_launch(l);
+        return ncclSystemError;
+    }
+    atomic_fetch_add(&group_threads, 1);
+    if (delay_ms > 0)
+        log_line("group-in-progress", delay_ms);
+    return ncclInProgress;
+}
+
+/* The group's ops as one kernel per (communicator, stream), in issue order: launched here for
+ * blocking communicators (src/group.cc: ncclGroupEndInternal, the blocking branch runs
+ * groupLaunch on the caller's thread), on a thread of the group's own for nonblocking ones. */
 static ncclResult_t close_group(void)
 {
     op_t *ops = group_ops;
@@ -735,20 +1070,13 @@ static ncclResult_t close_group(void)
         return group_error;
     if (n == 0)
         return ncclSuccess;
-    for (size_t i = 0; i < n; i++) { /* a self send needs its receive in this group, and vice versa */
-        int balance = 0;
-        for (size_t j = 0; j < n; j++)
-            if (ops[j].comm == ops[i].comm && ops[j].peer == ops[j].comm->rank)
-                balance += ops[j].send ? 1 : -1;
-        if (ops[i].peer == ops[i].comm->rank && balance != 0) {
-            log_warning("a self send on rank %d without its receive in the same group (or the reverse)",
-                        ops[i].comm->rank);
-            return ncclInvalidUsage;
-        }
-    }
     launch_t *l = calloc(1, sizeof *l);
-    if (!l || !(l->tasks = calloc(n, sizeof *l->tasks)) || !(l->streams = calloc(n, sizeof *l->streams)))
+    if (!l || !(l->tasks = calloc(n, sizeof *l->tasks)) || !(l->streams = calloc(n, sizeof *l->streams))) {
+        if (l)
+            free(l->tasks);
+        free(l);
         return ncclSystemError;
+    }
     int nonblocking = 0;
     for (size_t i = 0; i < n; i++) {
         int k = 0;
@@ -758,7 +1086,10 @@ static ncclResult_t close_group(void)
             int count = 0;
             for (size_t j = i; j < n; j++)
                 count += ops[j].comm == ops[i].comm && ops[j].stream == ops[i].stream;
-            l->tasks[k] = calloc(1, sizeof(task_t) + sizeof(op_t) * (size_t)count);
+            if (!(l->tasks[k] = calloc(1, sizeof(task_t) + sizeof(op_t) * (size_t)count))) {
+                free_launch(l);
+                return ncclSystemError;
+            }
             l->tasks[k]->comm = ops[i].comm;
             l->streams[k] = ops[i].stream;
             l->ntasks++;
@@ -771,23 +1102,12 @@ static ncclResult_t close_group(void)
     int delay = !eligible ? 0
                 : first->f.group_in_progress_every ? first->f.group_in_progress_ms
                 : random_below(1) ? random_below(first->f.group_in_progress_ms) : 0;
-    if (delay <= 0)
-        return launch(l);
-    pthread_mutex_lock(&lib_lock);
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_nsec += delay * 1000000L;
-    until.tv_sec += until.tv_nsec / 1000000000L;
-    until.tv_nsec %= 1000000000L;
-    for (int k = 0; k < l->ntasks; k++) {
-        comm_t *c = l->tasks[k]->comm;
-        c->pending = l; /* launched by the first poll on any of them */
-        c->pending_until = until;
-        atomic_store(&c->state, ncclInProgress);
+    if (!nonblocking || (delay <= 0 && !first->f.group_thread)) { /* see MPFAKE_NCCL_GROUP_THREAD */
+        ncclResult_t r = launch_group(l);
+        free_launch(l);
+        return r;
     }
-    pthread_mutex_unlock(&lib_lock);
-    log_line("group-in-progress", delay);
-    return ncclInProgress;
+    return start_group_thread(l, delay);
 }
 
 ncclResult_t ncclGroupEnd(void)
@@ -840,28 +1160,9 @@ ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
         log_warning("ncclCommGetAsyncError on a communicator that was aborted");
         return ncclInvalidUsage;
     }
-    pthread_mutex_lock(&lib_lock);
     int state = atomic_load(&comm->state);
-    /* An in-progress group is launched by a poll, as src/init.cc: ncclCommGetAsyncError completes
-     * the communicator's pending group job. */
-    if (state == ncclInProgress && comm->seg && comm->pending_until.tv_sec) {
-        struct timespec t;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        if (t.tv_sec > comm->pending_until.tv_sec ||
-            (t.tv_sec == comm->pending_until.tv_sec && t.tv_nsec >= comm->pending_until.tv_nsec)) {
-            launch_t *l = comm->pending;
-            if (l) {
-                for (int k = 0; k < l->ntasks; k++) {
-                    l->tasks[k]->comm->pending = NULL;
-                    l->tasks[k]->comm->pending_until.tv_sec = 0;
-                    atomic_store(&l->tasks[k]->comm->state, ncclSuccess);
-                }
-                launch(l);
-            }
-            state = atomic_load(&comm->state);
-        }
-    }
-    pthread_mutex_unlock(&lib_lock);
+    if (state == ncclSuccess) /* src/init.cc: ncclCommGetAsyncError completes a finished group job */
+        complete_job(comm);
     if (state == ncclSuccess && comm->seg && atomic_load(&comm->seg->error)) {
         state = atomic_load(&comm->seg->error);
         /* Logged once, when this rank first learns of it, as a warning is logged where a failure
@@ -876,8 +1177,12 @@ ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
     return ncclSuccess;
 }
 
-/* Local, like NCCL's: the peers learn nothing. The struct outlives the call (a model may keep
- * it) so that any later use is reported rather than undefined. */
+/* Local, like NCCL's: the peers learn nothing. src/init.cc: ncclCommAbort sets the abort flags
+ * first (setCommAbortFlags: stuck kernels end), joins a group thread still running
+ * (ncclCommEnsureReady -> src/group.cc: ncclGroupJobAbort), then reclaims the communicator
+ * (commReclaim -> commDestroySync), which waits until comm->localPersistentRefs is 0: every CUDA
+ * graph that captured work on it, and every instance, destroyed. The struct outlives the call (a
+ * model may keep it) so that any later use is reported rather than undefined. */
 ncclResult_t ncclCommAbort(comm_t *comm)
 {
     if (!comm)
@@ -886,20 +1191,15 @@ ncclResult_t ncclCommAbort(comm_t *comm)
         log_warning("ncclCommAbort on a communicator that was already aborted");
         return ncclInvalidUsage;
     }
-    pthread_mutex_lock(&lib_lock);
     comm->alive = 0;
     atomic_store(&comm->aborted, 1);
-    launch_t *l = comm->pending;
-    if (l) { /* an unlaunched group dies with its communicator */
-        for (int k = 0; k < l->ntasks; k++) {
-            l->tasks[k]->comm->pending = NULL;
-            free(l->tasks[k]);
-        }
-        free(l->tasks);
-        free(l->streams);
-        free(l);
-    }
+    pthread_mutex_lock(&lib_lock);
+    if (comm->job)
+        atomic_store(&comm->job->aborted, 1); /* an unlaunched group dies with its communicator */
     pthread_mutex_unlock(&lib_lock);
+    complete_job(comm);
+    for (unsigned spins = 0; atomic_load(&comm->persistent_refs) > 0; spins++)
+        pause_for(spins);
     if (comm->seg && atomic_load(&comm->seg->attached) < comm->nranks)
         shm_unlink(comm->name); /* this rank will never join: no one may wait on the name */
     return ncclSuccess;

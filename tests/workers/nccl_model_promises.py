@@ -9,6 +9,7 @@ import threading
 import time
 
 fakes = sys.argv[1]
+os.environ["MPFAKE_CUDA_DEVICES"] = "2"  # two devices, each with its own launch order (read by cuInit)
 cuda = ctypes.CDLL(f"{fakes}/libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
 nccl = ctypes.CDLL(f"{fakes}/libnccl.so.2")
 out = {}
@@ -144,4 +145,240 @@ for forced in ("1", "0", "yes"):
         time.sleep(0.01)
     assert nccl.ncclCommAbort(one) == 0
 del os.environ["NCCL_COMM_BLOCKING"]
+# ---- ncclCommAbort waits for the CUDA graphs that captured work on the communicator ---------------
+# NCCL 2.30: a captured plan holds comm->localPersistentRefs until its graph is destroyed
+# (src/enqueue.cc ncclLaunchPrepare, persistentDestructor); the abort waits for 0 (src/init.cc
+# commDestroySync).
+for name, types in {"cuStreamBeginCapture_v2": [p, ctypes.c_int], "cuStreamEndCapture": [p, ctypes.POINTER(p)],
+                    "cuGraphInstantiateWithFlags": [ctypes.POINTER(p), p, ctypes.c_ulonglong],
+                    "cuGraphLaunch": [p, p], "cuGraphDestroy": [p], "cuGraphExecDestroy": [p],
+                    "cuStreamQuery": [p], "cuDevicePrimaryCtxRetain": [ctypes.POINTER(p), ctypes.c_int]}.items():
+    getattr(cuda, name).argtypes = types
+nccl.mpfake_nccl_group_threads.restype = ctypes.c_long
+
+
+def new_comm(nranks: int = 1, rank: int = 0, the_uid: UniqueId = None, blocking: bool = True) -> p:
+    if the_uid is None:
+        the_uid = UniqueId()
+        assert nccl.ncclGetUniqueId(ctypes.byref(the_uid)) == 0
+    c = p()
+    config = Config(ctypes.sizeof(Config), 0xcafebeef, 21400, int(blocking))
+    assert nccl.ncclCommInitRankConfig(ctypes.byref(c), nranks, the_uid, rank, ctypes.byref(config)) in (0, 7)
+    return c
+
+
+def settled(c: p) -> int:
+    while (state := async_state(c)) == 7:
+        time.sleep(0.001)
+    return state
+
+
+def new_stream() -> p:
+    s = p()
+    assert cuda.cuStreamCreateWithPriority(ctypes.byref(s), 1, 0) == 0
+    return s
+
+
+def group(ops: list) -> int:
+    """ops: (is_send, buffer, peer, comm, stream); a nonblocking group is settled."""
+    assert nccl.ncclGroupStart() == 0
+    for is_send, buf, peer, c, s in ops:
+        assert (nccl.ncclSend if is_send else nccl.ncclRecv)(buf, len(buf), 1, peer, c, s) == 0
+    r = nccl.ncclGroupEnd()
+    return settled(ops[0][3]) if r == 7 else r
+
+
+def abort_on_a_thread(c: p) -> dict:
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(r=nccl.ncclCommAbort(c), at=time.monotonic()))
+    thread.start()
+    return {"thread": thread, "box": box}
+
+
+bare = new_comm()
+started = time.monotonic()
+assert nccl.ncclCommAbort(bare) == 0
+out["abort_without_graph_s"] = time.monotonic() - started
+
+held, s = new_comm(), new_stream()
+src, dst = (ctypes.c_uint8 * 8)(*range(8)), (ctypes.c_uint8 * 8)()
+graph, instance = p(), p()
+assert cuda.cuStreamBeginCapture_v2(s, 2) == 0  # RELAXED
+assert group([(1, src, 0, held, s), (0, dst, 0, held, s)]) == 0
+assert cuda.cuStreamEndCapture(s, ctypes.byref(graph)) == 0
+assert cuda.cuGraphInstantiateWithFlags(ctypes.byref(instance), graph, 0) == 0
+assert cuda.cuGraphLaunch(instance, s) == 0 and cuda.cuStreamSynchronize(s) == 0
+out["captured_bytes"] = list(dst)
+aborting = abort_on_a_thread(held)
+time.sleep(0.3)
+out["abort_returned_with_graph_and_instance"] = "at" in aborting["box"]
+assert cuda.cuGraphDestroy(graph) == 0
+time.sleep(0.3)
+out["abort_returned_with_instance_only"] = "at" in aborting["box"]
+last_destroyed = time.monotonic()
+assert cuda.cuGraphExecDestroy(instance) == 0
+aborting["thread"].join(5)
+out["abort_after_last_holder_s"] = aborting["box"].get("at", float("inf")) - last_destroyed
+out["abort_with_graph_result"] = aborting["box"].get("r")
+
+# ---- a nonblocking ncclGroupEnd with work: ncclInProgress, and a thread of its own ---------------
+# NCCL 2.30: src/group.cc ncclGroupEndInternal (the nonblocking branch starts the thread; the
+# blocking branch launches on the caller's); src/init.cc ncclCommGetAsyncError joins it.
+os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_MS"] = "0"
+os.environ["MPFAKE_NCCL_GROUP_THREAD"] = "1"  # as NCCL; without it only delayed groups take a thread
+nonblocking_comm, blocking_comm, s = new_comm(blocking=False), new_comm(), new_stream()
+settled(nonblocking_comm)
+answers, threads = [], []
+for _ in range(5):
+    before = nccl.mpfake_nccl_group_threads()
+    assert nccl.ncclGroupStart() == 0
+    nccl.ncclSend(src, 8, 1, 0, nonblocking_comm, s)
+    nccl.ncclRecv(dst, 8, 1, 0, nonblocking_comm, s)
+    answers.append(nccl.ncclGroupEnd())
+    threads.append(nccl.mpfake_nccl_group_threads() - before)
+    assert settled(nonblocking_comm) == 0
+out["nonblocking_group_end"] = answers
+out["nonblocking_group_threads"] = threads
+assert cuda.cuStreamSynchronize(s) == 0
+out["nonblocking_group_bytes"] = list(dst)
+before = nccl.mpfake_nccl_group_threads()
+out["blocking_group_end"] = group([(1, src, 0, blocking_comm, s), (0, dst, 0, blocking_comm, s)])
+out["blocking_group_threads"] = nccl.mpfake_nccl_group_threads() - before
+before = nccl.mpfake_nccl_group_threads()
+assert nccl.ncclGroupStart() == 0
+out["empty_nonblocking_group_end"] = nccl.ncclGroupEnd()
+out["empty_group_threads"] = nccl.mpfake_nccl_group_threads() - before
+assert nccl.ncclCommAbort(blocking_comm) == 0
+
+# A group still in progress (its thread waits 2 s): a send on its communicator is refused, and an
+# abort joins the thread at once, launching nothing.
+os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_MS"] = "2000"
+os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY"] = "1"
+slow = new_comm(blocking=False)
+settled(slow)
+lone = (ctypes.c_uint8 * 8)()
+assert nccl.ncclGroupStart() == 0
+nccl.ncclSend(src, 8, 1, 0, slow, s)
+nccl.ncclRecv(lone, 8, 1, 0, slow, s)
+out["slow_group_end"] = nccl.ncclGroupEnd()
+out["send_while_group_in_progress"] = nccl.ncclSend(src, 8, 1, 0, slow, s)
+out["send_while_group_in_progress_says"] = nccl.ncclGetLastError(None).decode()
+started = time.monotonic()
+assert nccl.ncclCommAbort(slow) == 0
+out["abort_during_group_thread_s"] = time.monotonic() - started
+assert cuda.cuStreamSynchronize(s) == 0
+out["aborted_group_bytes"] = list(lone)
+del os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY"]
+os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_MS"] = "0"
+out["send_after_group_settled"] = group([(1, src, 0, nonblocking_comm, s), (0, dst, 0, nonblocking_comm, s)])
+assert nccl.ncclCommAbort(nonblocking_comm) == 0
+del os.environ["MPFAKE_NCCL_GROUP_THREAD"]
+undelayed = new_comm(blocking=False)  # the model's default: an undelayed group launches on the caller
+settled(undelayed)
+before = nccl.mpfake_nccl_group_threads()
+assert nccl.ncclGroupStart() == 0
+nccl.ncclSend(src, 8, 1, 0, undelayed, s)
+nccl.ncclRecv(dst, 8, 1, 0, undelayed, s)
+out["undelayed_group_end_without_group_thread"] = nccl.ncclGroupEnd(), nccl.mpfake_nccl_group_threads() - before
+assert nccl.ncclCommAbort(undelayed) == 0
+
+
+# ---- a small send may complete before its receive (MPFAKE_NCCL_EAGER_BYTES) -------------------------
+# NCCL 2.30: the send primitive needs only a free step of the connection's buffer
+# (src/device/prims_simple.h waitPeer); the connection exists once the peer took part
+# (src/transport.cc ncclTransportP2pSetup).
+def two_ranks(env: dict) -> list:
+    os.environ.update(env)
+    the_uid = UniqueId()
+    assert nccl.ncclGetUniqueId(ctypes.byref(the_uid)) == 0
+    comms = [new_comm(2, r, the_uid, blocking=False) for r in range(2)]
+    for c in comms:
+        assert settled(c) == 0
+    for k in env:
+        del os.environ[k]
+    return comms
+
+
+def completes(s: p, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while (r := cuda.cuStreamQuery(s)) == 600 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return r == 0
+
+
+def buffered(eager: str, sizes: list) -> dict:
+    c0, c1 = two_ranks({"MPFAKE_NCCL_EAGER_BYTES": eager})
+    s0, s1 = new_stream(), new_stream()
+    one, got = (ctypes.c_uint8 * 1)(7), (ctypes.c_uint8 * 1)()
+    assert group([(1, one, 1, c0, s0)]) == 0 and group([(0, got, 0, c1, s1)]) == 0  # the connection
+    assert cuda.cuStreamSynchronize(s0) == 0 and cuda.cuStreamSynchronize(s1) == 0
+    sent = [(ctypes.c_uint8 * n)(*((k * 31 + i) % 251 for i in range(n))) for k, n in enumerate(sizes)]
+    for buf in sent:
+        assert group([(1, buf, 1, c0, s0)]) == 0
+    before_receive = completes(s0, 0.3)
+    received = [(ctypes.c_uint8 * n)() for n in sizes]
+    assert group([(0, buf, 0, c1, s1) for buf in received]) == 0
+    ended = completes(s1, 5) and completes(s0, 5)
+    exact = ended and [list(b) for b in received] == [list(b) for b in sent]
+    for c in (c0, c1):
+        assert nccl.ncclCommAbort(c) == 0
+    return {"completed_without_receive": before_receive, "exact": exact}
+
+
+out["eager_small"] = buffered("4096", [1024])
+out["eager_off"] = buffered("0", [1024])
+out["eager_above"] = buffered("4096", [8192])
+out["eager_several_in_order"] = buffered("4096", [100, 4096, 7])
+
+
+# ---- launch order (MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT) -------------------------------------------------
+# NCCL 2.30: src/enqueue.cc getImplicitOrder, ncclLaunchPrepare, ncclLaunchFinish; rank 0 on device 0
+# issues comm A's group then comm B's, rank 1 on device 1 issues B's then A's.
+ctx1 = p()
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx1), 1) == 0
+
+
+def opposite_orders(mode: str) -> dict:
+    contexts = [ctx, ctx1]
+    a, b = [], []
+    env = {"MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT": mode}
+    os.environ.update(env)
+    uids = [UniqueId(), UniqueId()]
+    for u in uids:
+        assert nccl.ncclGetUniqueId(ctypes.byref(u)) == 0
+    streams = {}
+    for r in range(2):
+        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+        a.append(new_comm(2, r, uids[0], blocking=False))
+        b.append(new_comm(2, r, uids[1], blocking=False))
+        streams[r] = (new_stream(), new_stream())
+    del os.environ["MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT"]
+    for c in a + b:
+        assert settled(c) == 0
+    bufs = [(ctypes.c_uint8 * 64)() for _ in range(8)]
+    for r, order in ((0, (0, 1)), (1, (1, 0))):
+        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+        for which in order:
+            c, s = (a, b)[which][r], streams[r][which]
+            assert group([(1, bufs[4 * r + 2 * which], 1 - r, c, s), (0, bufs[4 * r + 2 * which + 1], 1 - r, c, s)]) == 0
+
+    def all_complete(within: float) -> bool:
+        deadline = time.monotonic() + within
+        done = True
+        for r in range(2):
+            assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+            done &= all(completes(s, max(0.0, deadline - time.monotonic())) for s in streams[r])
+        return done
+
+    completed = all_complete(1.0)
+    for c in a + b:
+        assert nccl.ncclCommAbort(c) == 0
+    ended = all_complete(5.0)
+    assert cuda.cuCtxSetCurrent(ctx) == 0
+    return {"completed": completed, "ended_after_abort": ended}
+
+
+out["launch_order_none"] = opposite_orders("0")
+out["launch_order_serial"] = opposite_orders("1")
+out["launch_order_launch"] = opposite_orders("2")
 print(json.dumps(out))
