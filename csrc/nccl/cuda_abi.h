@@ -17,8 +17,10 @@ typedef unsigned long long mp_CUdeviceptr;
 #define MP_CUDA_ERROR_NOT_READY 600
 #define MP_CU_EVENT_DISABLE_TIMING 0x2u
 #define MP_CU_STREAM_NON_BLOCKING 0x1u
+#define MP_CU_STREAM_CAPTURE_STATUS_NONE 0
 #define MP_CU_STREAM_CAPTURE_STATUS_ACTIVE 1
 #define MP_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
+#define MP_CU_STREAM_CAPTURE_MODE_RELAXED 2
 
 typedef mp_CUresult (*mp_cuInit_fn)(unsigned int flags);
 typedef mp_CUresult (*mp_cuDeviceGet_fn)(mp_CUdevice *dev, int ordinal);
@@ -41,7 +43,9 @@ typedef mp_CUresult (*mp_cuMemAllocHost_fn)(void **ptr, size_t bytes);
 typedef mp_CUresult (*mp_cuMemFreeHost_fn)(void *ptr);
 typedef mp_CUresult (*mp_cuMemcpyHtoDAsync_fn)(mp_CUdeviceptr dst, const void *src, size_t bytes, mp_CUstream stream);
 typedef mp_CUresult (*mp_cuMemcpyDtoHAsync_fn)(void *dst, mp_CUdeviceptr src, size_t bytes, mp_CUstream stream);
-typedef mp_CUresult (*mp_cuStreamIsCapturing_fn)(mp_CUstream stream, int *status);
+/* The _v2 entry point (CUDA 11.3+): status and capture id; the graph and dependency outputs may be NULL. */
+typedef mp_CUresult (*mp_cuStreamGetCaptureInfo_fn)(mp_CUstream stream, int *status, unsigned long long *id,
+                                                    void **graph, const void **deps, size_t *ndeps);
 typedef mp_CUresult (*mp_cuThreadExchangeStreamCaptureMode_fn)(int *mode);
 typedef mp_CUresult (*mp_cuGetErrorString_fn)(mp_CUresult error, const char **text);
 

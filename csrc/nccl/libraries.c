@@ -169,7 +169,7 @@ static const symbol cuda_symbols[] = {
     CU_SYM(MemFreeHost, "cuMemFreeHost"),
     CU_SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"),
     CU_SYM(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"),
-    CU_SYM(StreamIsCapturing, "cuStreamIsCapturing"),
+    CU_SYM(StreamGetCaptureInfo, "cuStreamGetCaptureInfo_v2"),
     CU_SYM(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode"),
     CU_SYM(GetErrorString, "cuGetErrorString"),
 };

@@ -54,7 +54,7 @@ typedef struct {
     mp_cuMemFreeHost_fn MemFreeHost;
     mp_cuMemcpyHtoDAsync_fn MemcpyHtoDAsync;
     mp_cuMemcpyDtoHAsync_fn MemcpyDtoHAsync;
-    mp_cuStreamIsCapturing_fn StreamIsCapturing;
+    mp_cuStreamGetCaptureInfo_fn StreamGetCaptureInfo;
     mp_cuThreadExchangeStreamCaptureMode_fn ThreadExchangeStreamCaptureMode;
     mp_cuGetErrorString_fn GetErrorString;
 } mp_cuda_lib;

@@ -1,6 +1,7 @@
 /* Completion on the NCCL transport: an op finishes when its lane's event fires. Progress, host
  * waits and the watchdog poll those events and NCCL's asynchronous errors: NCCL never times out. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,12 +38,19 @@ static void pause_polling(unsigned polls)
         usleep(polls > 4096 ? 1000 : 20);
 }
 
+/* How long a settle yields before it sleeps: NCCL's launch thread for a nonblocking group (NCCL
+ * 2.30: src/group.cc ncclGroupEndInternal starts one per group end) usually finishes within tens
+ * of microseconds, and a sleep costs far more than that (usleep(20) took about 95 us on the 2-core
+ * test machine), so posting never sleeps in the steady state. */
+#define SETTLE_YIELD_SECONDS 0.002
+
 /* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. With
  * `locked`, the caller holds n->lock: it is released between polls, and an abort meanwhile
- * (which frees `comm`) ends the wait with MP_NCCL_ABORTED. */
+ * (which hands `comm` to the reaper) ends the wait with MP_NCCL_ABORTED. */
 mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int locked)
 {
     mp_ncclResult_t state = MP_NCCL_IN_PROGRESS;
+    double yield_until = mp_now() + SETTLE_YIELD_SECONDS;
     for (unsigned polls = 0;; polls++) {
         if (n->nccl->CommGetAsyncError(comm, &state) != MP_NCCL_SUCCESS)
             return MP_NCCL_INTERNAL_ERROR;
@@ -54,7 +62,10 @@ mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int 
             return MP_NCCL_INTERRUPTED;
         if (locked)
             pthread_mutex_unlock(&n->lock);
-        pause_polling(polls);
+        if (mp_now() < yield_until)
+            sched_yield(); /* the launch thread may need this core */
+        else
+            pause_polling(polls);
         if (locked) {
             pthread_mutex_lock(&n->lock);
             if (n->cause != MP_OK)
@@ -145,8 +156,10 @@ void nccl_progress(mp_transport *t)
 {
     nccl_t *n = (nccl_t *)t;
     pthread_mutex_lock(&n->lock);
-    if (n->cause == MP_OK && !n->capturing)
+    nccl_relaxed relaxed = nccl_relax(n);
+    if (n->cause == MP_OK)
         nccl_progress_locked(n);
+    nccl_unrelax(n, relaxed);
     pthread_mutex_unlock(&n->lock);
 }
 
@@ -155,12 +168,13 @@ mp_result nccl_wait(mp_transport *t, mp_op *op, double deadline, const mp_interr
     nccl_t *n = (nccl_t *)t;
     for (unsigned polls = 0;; polls++) {
         pthread_mutex_lock(&n->lock);
-        n->capturing = 0; /* a host wait: the caller is not capturing */
+        nccl_relaxed relaxed = nccl_relax(n);
         if (n->cause == MP_OK) {
             nccl_progress_locked(n);
             if (!mp_op_done(op))
                 nccl_check_async_locked(n);
         }
+        nccl_unrelax(n, relaxed);
         pthread_mutex_unlock(&n->lock);
         if (mp_op_done(op))
             return MP_OK;
@@ -176,11 +190,8 @@ mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_t len)
 {
     nccl_t *n = (nccl_t *)t;
     mp_result cause = MP_OK;
-    /* Thread-local capture mode: these queries, from a thread that captures nothing, must not
-     * invalidate a capture another thread runs in the global mode. */
-    int mode = MP_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-    int exchanged = n->cu->ThreadExchangeStreamCaptureMode(&mode) == MP_CUDA_SUCCESS;
     pthread_mutex_lock(&n->lock);
+    nccl_relaxed relaxed = nccl_relax(n); /* a capture on another thread must survive the queries */
     if (n->cause == MP_OK) {
         nccl_progress_locked(n);
         cause = async_error_locked(n, detail, len);
@@ -194,9 +205,8 @@ mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_t len)
             }
         }
     }
+    nccl_unrelax(n, relaxed);
     pthread_mutex_unlock(&n->lock);
-    if (exchanged)
-        n->cu->ThreadExchangeStreamCaptureMode(&mode);
     return cause;
 }
 

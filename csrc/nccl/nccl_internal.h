@@ -17,6 +17,7 @@
 
 typedef struct fence {
     mp_CUevent event;
+    unsigned long long capture; /* the id of the capture that recorded it, 0 for an eager one */
     double recorded;         /* mp_now() at end(): the watchdog's clock for its steps */
     mp_step *steps;          /* the steps this event completes, in issue order */
     struct fence *next;
@@ -45,7 +46,10 @@ typedef struct {
     /* Fences recorded during a CUDA graph capture: their events belong to the graph, which
      * re-records them at every replay, so they are never recycled nor queried. */
     fence *graph_fences;
-    int capturing;           /* the last call's stream was capturing: no host queries */
+    /* The capture of the caller's stream at begin(), 0 when none: what end() fences belongs to it.
+     * Only posting reads it; every other call asks the stream it is given. */
+    unsigned long long open_capture;
+    struct nccl_reaper *reaper; /* runs ncclCommAbort once the transport is aborted (nccl_reaper.c) */
     /* `issue` orders the posting calls of threads sharing the communicator; `lock` guards the
      * state and every call on a lane communicator, and is dropped while a launch settles, so
      * that an abort from the relay or the watchdog reaches a group stuck in ncclInProgress. */
@@ -67,6 +71,7 @@ typedef struct {
 #define ENTER_FAILED "making the CUDA device's primary context current failed"
 
 /* nccl_lifecycle.c */
+#define NCCL_ABORT_BOUND 0.5 /* seconds a destroy waits for ncclCommAbort before leaving it running */
 const char *nccl_cu_error(nccl_t *n, mp_CUresult r);
 typedef struct {
     char text[MP_DETAIL_LEN];
@@ -78,6 +83,19 @@ void nccl_leave(nccl_t *n, mp_CUcontext saved);
 mp_result nccl_cause_of(mp_ncclResult_t r);
 void nccl_abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail);
 mp_result nccl_fail_cuda(nccl_t *n, const char *what, mp_CUresult r);
+
+/* nccl_reaper.c: ncclCommAbort on a thread of its own, which may outlive the transport */
+void nccl_reap_start(nccl_t *n);
+void nccl_reap_finish(nccl_t *n);
+void nccl_release(nccl_t *n);
+
+/* nccl_lifecycle.c: event queries in relaxed capture mode */
+typedef struct {
+    int mode;
+    int exchanged;
+} nccl_relaxed;
+nccl_relaxed nccl_relax(nccl_t *n);
+void nccl_unrelax(nccl_t *n, nccl_relaxed saved);
 
 /* nccl_post.c: the vtable's posting entries */
 mp_result nccl_begin(mp_transport *t, void *stream);

@@ -71,6 +71,24 @@ void nccl_leave(nccl_t *n, mp_CUcontext saved)
         n->cu->CtxSetCurrent(saved);
 }
 
+/* Event queries are potentially unsafe calls during a stream capture: in the global mode, which
+ * torch.cuda.graph uses, one from any thread invalidates the capture. They run in the relaxed
+ * mode, as NCCL runs its own (NCCL 2.30: src/enqueue.cc uploadWork and reclaimPlan,
+ * src/include/alloc.h, around cudaThreadExchangeStreamCaptureMode). Captured events are never
+ * queried: that is refused in any mode. */
+nccl_relaxed nccl_relax(nccl_t *n)
+{
+    nccl_relaxed saved = {MP_CU_STREAM_CAPTURE_MODE_RELAXED, 0};
+    saved.exchanged = n->cu->ThreadExchangeStreamCaptureMode(&saved.mode) == MP_CUDA_SUCCESS;
+    return saved;
+}
+
+void nccl_unrelax(nccl_t *n, nccl_relaxed saved)
+{
+    if (saved.exchanged)
+        n->cu->ThreadExchangeStreamCaptureMode(&saved.mode);
+}
+
 /* ---- abort -------------------------------------------------------------------------------- */
 
 /* Fails every op not yet complete; after this the transport holds no op. Lock held. */
@@ -92,7 +110,9 @@ static void fail_all(nccl_t *n, mp_result r, const char *detail)
     }
 }
 
-/* Lock held. ncclCommAbort does not wait for the peers, so it is safe at any point. */
+/* Lock held; returns at once. The communicators go to the reaper (nccl_reaper.c), since
+ * ncclCommAbort, which never waits for the peers, does wait for the graphs that captured work on
+ * them; the ops fail now, and the peers hear of it through the caller's relay. */
 void nccl_abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail)
 {
     if (n->cause != MP_OK)
@@ -100,14 +120,7 @@ void nccl_abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail)
     n->cause = cause;
     n->cause_rank = rank;
     snprintf(n->cause_detail, sizeof n->cause_detail, "%s", detail);
-    mp_CUcontext saved;
-    nccl_enter(n, &saved); /* ncclCommAbort must run regardless */
-    for (int l = 0; l < n->base.nlanes; l++)
-        if (n->lanes[l].comm) {
-            n->nccl->CommAbort(n->lanes[l].comm);
-            n->lanes[l].comm = NULL;
-        }
-    nccl_leave(n, saved);
+    nccl_reap_start(n);
     fail_all(n, cause, n->cause_detail);
 }
 
@@ -162,10 +175,11 @@ static void nccl_destroy(mp_transport *t)
     double deadline = mp_now() + n->timeout;
     for (;;) {
         pthread_mutex_lock(&n->lock);
-        n->capturing = 0;
+        nccl_relaxed relaxed = nccl_relax(n);
         if (n->cause == MP_OK)
             nccl_progress_locked(n);
         nccl_check_async_locked(n); /* a peer that died ends the drain at once */
+        nccl_unrelax(n, relaxed);
         int pending = 0;
         for (int l = 0; l < t->nlanes; l++)
             pending |= n->lanes[l].head != NULL || n->lanes[l].open_head != NULL;
@@ -177,10 +191,17 @@ static void nccl_destroy(mp_transport *t)
         pthread_mutex_unlock(&n->lock);
         usleep(200);
     }
+    nccl_reap_finish(n);
+}
+
+/* Releases what the transport holds on the device, and the transport: called once its
+ * communicators' abort has returned, by its destroy or by the reaper (nccl_reaper.c). */
+void nccl_release(nccl_t *n)
+{
     if (n->ctx) {
         mp_CUcontext saved;
         nccl_enter(n, &saved); /* best effort: the process may be ending */
-        for (int l = 0; l < t->nlanes; l++)
+        for (int l = 0; l < n->base.nlanes; l++)
             if (n->lanes[l].stream)
                 n->cu->StreamDestroy(n->lanes[l].stream);
         fence *lists[] = {n->spare, n->graph_fences};

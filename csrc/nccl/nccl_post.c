@@ -59,17 +59,24 @@ mp_ncclResult_t mp_nccl_issue(const mp_nccl_calls *calls, void *ctx, const mp_st
 
 /* ---- CUDA graph capture ------------------------------------------------------------------- */
 
-/* Whether `stream` is capturing a CUDA graph, when nothing may query or wait on the host. */
-static int is_capturing(nccl_t *n, mp_CUstream stream)
+/* The id of the capture `stream` is in now, 0 when none (an invalidated capture counts as one:
+ * work on its stream still goes to it, and fails there). Asked at every call, of the caller's
+ * stream: whether to capture, query or wait is that stream's state, never a previous call's. */
+static unsigned long long capture_of(nccl_t *n, mp_CUstream stream)
 {
     int status = 0;
-    return n->cu->StreamIsCapturing(stream, &status) == MP_CUDA_SUCCESS && status == MP_CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    unsigned long long id = 0;
+    if (n->cu->StreamGetCaptureInfo(stream, &status, &id, NULL, NULL, NULL) != MP_CUDA_SUCCESS)
+        return 0;
+    return status == MP_CU_STREAM_CAPTURE_STATUS_NONE ? 0 : id ? id : 1;
 }
 
 /* A fence with a fresh event, owned by the graph being captured until the transport is destroyed. */
-static fence *graph_fence(nccl_t *n, mp_CUresult *r)
+static fence *graph_fence(nccl_t *n, unsigned long long capture, mp_CUresult *r)
 {
     fence *f = calloc(1, sizeof *f);
+    if (f)
+        f->capture = capture;
     *r = f ? n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING) : MP_CUDA_ERROR_OUT_OF_MEMORY;
     if (*r != MP_CUDA_SUCCESS) {
         free(f);
@@ -182,7 +189,9 @@ static mp_result check_step(nccl_t *n, const mp_step *step, char *detail, size_t
         snprintf(detail, len, "debug matching could not fetch its descriptors: %s", nccl_cu_error(n, c));
         return MP_ERR_SYSTEM;
     }
+    nccl_relaxed relaxed = nccl_relax(n); /* another thread may be capturing */
     mp_result waited = nccl_await_event_locked(n, n->check_done, mp_now() + n->timeout, detail, len);
+    nccl_unrelax(n, relaxed);
     if (waited == MP_ERR_TIMEOUT)
         snprintf(detail, len, "debug matching: rank %d waited %.1f s on lane %d for the descriptors of step #%llu: a "
                  "peer has not posted the matching ops", n->global_rank, n->timeout, step->lane,
@@ -209,13 +218,13 @@ mp_result nccl_begin(mp_transport *t, void *stream)
     mp_CUresult entered = nccl_enter(n, &saved);
     if (res == MP_OK && entered != MP_CUDA_SUCCESS)
         res = nccl_fail_cuda(n, ENTER_FAILED, entered);
-    n->capturing = res == MP_OK && is_capturing(n, (mp_CUstream)stream);
-    if (n->capturing && n->check) /* debug matching waits on the host before every step */
+    n->open_capture = res == MP_OK ? capture_of(n, (mp_CUstream)stream) : 0;
+    if (n->open_capture && n->check) /* debug matching waits on the host before every step */
         res = MP_ERR_CAPTURE;
     if (res == MP_OK) {
         /* During capture the lanes join the capture through this event, which the graph keeps. */
         mp_CUresult r = MP_CUDA_SUCCESS;
-        fence *g = n->capturing ? graph_fence(n, &r) : NULL;
+        fence *g = n->open_capture ? graph_fence(n, n->open_capture, &r) : NULL;
         mp_CUevent ready = g ? g->event : n->ready;
         if (r == MP_CUDA_SUCCESS)
             r = n->cu->EventRecord(ready, (mp_CUstream)stream);
@@ -301,9 +310,9 @@ mp_result nccl_end(mp_transport *t)
             continue;
         fence *f = n->spare;
         mp_CUresult r = MP_CUDA_SUCCESS;
-        if (n->capturing) {
+        if (n->open_capture) {
             /* Captured work runs at each replay: its ops are stream-ordered only, and done here. */
-            if ((f = graph_fence(n, &r)))
+            if ((f = graph_fence(n, n->open_capture, &r)))
                 r = n->cu->EventRecord(f->event, lane->stream);
             if (r != MP_CUDA_SUCCESS) {
                 res = nccl_fail_cuda(n, "recording a lane's event during capture failed", r);
@@ -356,6 +365,10 @@ mp_result nccl_end(mp_transport *t)
     return res;
 }
 
+/* Orders `stream` after the op. Refused (MP_ERR_CAPTURE, the communicator untouched) where CUDA
+ * would fail the wait and invalidate a capture: a captured op's event belongs to its graph, so only
+ * a stream in that capture may wait on it; a capturing stream may not wait on an eager op's event
+ * (CUDA_ERROR_STREAM_CAPTURE_ISOLATION), so an eager op still pending then cannot be waited. */
 mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
 {
     nccl_t *n = (nccl_t *)t;
@@ -368,12 +381,20 @@ mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
         pthread_mutex_unlock(&n->lock);
         return res;
     }
-    n->capturing = is_capturing(n, (mp_CUstream)stream);
-    if (n->cause == MP_OK && !n->capturing)
+    unsigned long long capture = capture_of(n, (mp_CUstream)stream);
+    const fence *f = op->fence;
+    if (op->captured) {
+        if (!f || f->capture != capture)
+            res = MP_ERR_CAPTURE;
+    } else if (!mp_op_done(op) && n->cause == MP_OK) {
+        nccl_relaxed relaxed = nccl_relax(n);
         nccl_progress_locked(n);
-    /* A captured op is done for the host, but its replays still order the waiting stream. */
-    if ((op->captured || !mp_op_done(op)) && op->fence) {
-        mp_CUresult r = n->cu->StreamWaitEvent((mp_CUstream)stream, ((fence *)op->fence)->event, 0);
+        nccl_unrelax(n, relaxed);
+        if (!mp_op_done(op) && capture)
+            res = MP_ERR_CAPTURE;
+    }
+    if (res == MP_OK && (op->captured || !mp_op_done(op)) && f) {
+        mp_CUresult r = n->cu->StreamWaitEvent((mp_CUstream)stream, f->event, 0);
         if (r != MP_CUDA_SUCCESS)
             res = nccl_fail_cuda(n, "making the caller's stream wait failed", r);
     }

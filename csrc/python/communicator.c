@@ -60,21 +60,33 @@ static void comm_dealloc(CommObject *self)
 
 static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"rank", "reason", NULL};
+    static char *kwlist[] = {"rank", "reason", "peer_failed", NULL};
     PyObject *rank_obj = Py_None;
     const char *reason = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Oz:abort", kwlist, &rank_obj, &reason))
+    int peer_failed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Ozp:abort", kwlist, &rank_obj, &reason, &peer_failed))
         return NULL;
     int cause = self->group_rank;
     if (rank_obj != Py_None && (cause = mp_comm_group_rank(self, rank_obj, "rank")) < 0)
         return NULL;
-    if (self->transport)
-        self->transport->ops->abort(self->transport, MP_ERR_ABORTED, cause, reason);
+    int aborted_by;
+    if (!peer_failed && cause == self->group_rank && self->transport && /* it starts here: the peers first */
+        self->transport->ops->abort_cause(self->transport, &aborted_by) == MP_OK) {
+        PyObject *why = PyUnicode_FromFormat("rank %d aborted the communicator%s%s",
+                                             self->global_ranks[self->group_rank], reason ? ": " : "",
+                                             reason ? reason : "");
+        if (!why)
+            return NULL;
+        mp_comm_publish_abort(self, why);
+        Py_DECREF(why);
+    }
+    mp_comm_abort(self, peer_failed ? MP_ERR_PEER_DEAD : MP_ERR_ABORTED, cause, reason);
     Py_RETURN_NONE;
 }
 
-/* Called by the process's watchdog thread. The GIL stays held: the check is short (the transport
- * never waits on the peers in it), and a close() meanwhile cannot free the transport. */
+/* Called by the process's watchdog thread. The check holds the GIL: it is short (the transport
+ * never waits on the peers in it), and a close() meanwhile cannot free the transport. What it
+ * finds is published to the peers (on_abort), then the transport is aborted. */
 static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     mp_transport *t = self->transport;
@@ -92,7 +104,8 @@ static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignor
     Py_DECREF(report);
     if (!msg)
         return NULL;
-    t->ops->abort(t, cause, self->group_rank, detail);
+    mp_comm_publish_abort(self, msg);
+    mp_comm_abort(self, cause, self->group_rank, detail);
     Py_XSETREF(self->abort_report, Py_NewRef(msg));
     PyObject *exc = PyObject_CallOneArg(mp_failure_type(self->state, cause), msg);
     Py_DECREF(msg);
@@ -128,9 +141,11 @@ static PyMethodDef comm_methods[] = {
      "batch(ops, *, lane=0, call=None) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on "
      "`lane`, after every op issued before on it."},
     {"abort", (PyCFunction)(void (*)(void))comm_abort, METH_VARARGS | METH_KEYWORDS,
-     "abort(*, rank=None, reason=None) -> None\n\nFails every pending op here and at every peer. Idempotent. "
-     "rank: the global rank whose failure this abort passes on (default: this one), which reports name as the "
-     "cause; reason: why, quoted by the failures it causes."},
+     "abort(*, rank=None, reason=None, peer_failed=False) -> None\n\nFails every pending op here and at every "
+     "peer (an abort that starts here is published to the peers first). Idempotent. rank: the global rank whose "
+     "failure this abort passes on (default: this one), which reports name as the cause; reason: why, quoted by "
+     "the failures it causes; peer_failed: the cause is that rank's process (or the store's host) gone, so the "
+     "failures are PeerFailureError rather than P2PError."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
     {"stats", (PyCFunction)mp_comm_stats, METH_NOARGS,

@@ -39,13 +39,19 @@ static int check_self_pairs(CommObject *self, const pending_op *ops, int nops)
 /* Device transports order what one call posts after the caller's stream, and fence it after. */
 static int begin_posting(CommObject *self)
 {
-    mp_transport *t = self->transport;
-    if (!t->ops->begin)
+    if (!self->transport->ops->begin)
         return 0;
     void *stream;
     if (mp_comm_stream(self, &stream) < 0)
         return -1;
-    mp_result r = t->ops->begin(t, stream);
+    mp_result r = MP_ERR_CLOSED;
+    mp_transport *t = mp_comm_enter(self);
+    if (t) {
+        Py_BEGIN_ALLOW_THREADS /* another thread's posting may hold the transport's locks a while */
+        r = t->ops->begin(t, stream);
+        Py_END_ALLOW_THREADS
+        mp_comm_leave(self);
+    }
     if (r == MP_ERR_CAPTURE) {
         PyErr_SetString(self->state->P2PError, "debug matching (MEGATRON_P2P_CHECK=1) waits on the host before "
                         "every step, which CUDA graph capture forbids: unset it to capture this call");
@@ -62,9 +68,15 @@ static int begin_posting(CommObject *self)
 /* A failure here has failed the posted ops already; their Requests report it. */
 static void end_posting(CommObject *self)
 {
-    mp_transport *t = self->transport;
-    if (t && t->ops->end)
+    mp_transport *t = self->transport ? mp_comm_enter(self) : NULL;
+    if (!t)
+        return;
+    if (t->ops->end) {
+        Py_BEGIN_ALLOW_THREADS
         t->ops->end(t);
+        Py_END_ALLOW_THREADS
+    }
+    mp_comm_leave(self);
 }
 
 /* Debug matching compares shapes: the tensor's, read here (torch.Size is a tuple). */

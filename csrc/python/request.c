@@ -170,13 +170,31 @@ static int parse_timeout(PyObject *args, PyObject *kwargs, const char *format, d
 static int stream_wait(RequestObject *self)
 {
     CommObject *comm = self->comm;
-    mp_transport *t = comm->transport;
+    mp_transport *t;
     mp_comm_trace_waited(comm, &self->op);
     if (self->op.captured || !mp_op_done(&self->op)) {
         void *stream;
         if (mp_comm_stream(comm, &stream) < 0)
             return -1;
-        if (t->ops->stream_wait(t, &self->op, stream) != MP_OK && !mp_op_done(&self->op)) {
+        mp_result r = MP_ERR_CLOSED;
+        if ((t = mp_comm_enter(comm))) { /* a close meanwhile leaves the transport to our leave */
+            Py_BEGIN_ALLOW_THREADS /* the transport's lock is not taken holding the GIL */
+            r = t->ops->stream_wait(t, &self->op, stream);
+            Py_END_ALLOW_THREADS
+            mp_comm_leave(comm);
+        }
+        if (r == MP_ERR_CAPTURE) {
+            PyErr_SetString(comm->state->P2PError,
+                            self->op.captured
+                                ? "wait(): this op was posted during a CUDA graph capture, and its completion is an "
+                                  "event of that graph: only a stream in the same capture can wait on it; after the "
+                                  "capture, synchronize the stream the graph is replayed on"
+                                : "wait(): this op was posted before the current stream's CUDA graph capture began "
+                                  "and is still pending; a capturing stream cannot wait on work outside its capture "
+                                  "(CUDA would invalidate it): synchronize() the op before beginning the capture");
+            return -1;
+        }
+        if (r != MP_OK && !mp_op_done(&self->op)) {
             PyErr_SetString(comm->state->P2PError, "could not make the current stream wait for the op");
             return -1;
         }

@@ -247,8 +247,19 @@ void mp_comm_publish_abort(CommObject *self, PyObject *message)
     PyErr_Restore(type, value, tb);
 }
 
+void mp_comm_abort(CommObject *self, mp_result cause, int rank, const char *why)
+{
+    mp_transport *t = self->transport ? mp_comm_enter(self) : NULL; /* closed: aborted already */
+    if (!t)
+        return;
+    Py_BEGIN_ALLOW_THREADS /* the transport's lock is not taken holding the GIL */
+    t->ops->abort(t, cause, rank, why);
+    Py_END_ALLOW_THREADS
+    mp_comm_leave(self);
+}
+
 void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)
 {
-    self->transport->ops->abort(self->transport, MP_ERR_TIMEOUT, self->group_rank, NULL);
-    mp_comm_publish_abort(self, message);
+    mp_comm_publish_abort(self, message); /* the peers first: the local abort may take a while */
+    mp_comm_abort(self, MP_ERR_TIMEOUT, self->group_rank, NULL);
 }

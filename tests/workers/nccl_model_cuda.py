@@ -5,6 +5,7 @@ the package runs unmodified on top."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -60,3 +61,33 @@ def install() -> None:
     torch.cuda.device = _device  # type: ignore[assignment]
     torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None
+
+
+_p = ctypes.c_void_p
+_DRIVER_CALLS = {
+    "cuCtxSetCurrent": [_p], "cuStreamCreateWithPriority": [ctypes.POINTER(_p), ctypes.c_uint, ctypes.c_int],
+    "cuStreamSynchronize": [_p], "cuStreamBeginCapture_v2": [_p, ctypes.c_int],
+    "cuStreamEndCapture": [_p, ctypes.POINTER(_p)],
+    "cuGraphInstantiateWithFlags": [ctypes.POINTER(_p), _p, ctypes.c_ulonglong], "cuGraphLaunch": [_p, _p],
+    "cuGraphDestroy": [_p], "cuGraphExecDestroy": [_p],
+}
+
+
+def driver() -> ctypes.CDLL:
+    """The fake driver, for the calls a test makes itself (captures and graphs), with the primary
+    context of device 0 current on this thread."""
+    cuda = ctypes.CDLL(ENV["MEGATRON_P2P_CUDA_LIBRARY"])
+    for name, argtypes in _DRIVER_CALLS.items():
+        getattr(cuda, name).argtypes = argtypes
+    ctx = _p()
+    assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+    assert cuda.cuCtxSetCurrent(ctx) == 0
+    return cuda
+
+
+def side_stream(cuda: ctypes.CDLL) -> ctypes.c_void_p:
+    """A new non-blocking stream, as torch's side streams are, made torch's current stream."""
+    stream = _p()
+    assert cuda.cuStreamCreateWithPriority(ctypes.byref(stream), 1, 0) == 0
+    use_stream(stream.value)
+    return stream

@@ -19,19 +19,8 @@ def body(params):
     import torch
     import megatron_p2p as mp
 
-    cuda = ctypes.CDLL(nccl_model_cuda.ENV["MEGATRON_P2P_CUDA_LIBRARY"])
-    for name, argtypes in {"cuCtxSetCurrent": [p], "cuStreamCreateWithPriority": [ctypes.POINTER(p), ctypes.c_uint,
-                                                                                  ctypes.c_int],
-                           "cuStreamSynchronize": [p], "cuStreamBeginCapture_v2": [p, ctypes.c_int],
-                           "cuStreamEndCapture": [p, ctypes.POINTER(p)],
-                           "cuGraphInstantiateWithFlags": [ctypes.POINTER(p), p, ctypes.c_ulonglong],
-                           "cuGraphLaunch": [p, p]}.items():
-        getattr(cuda, name).argtypes = argtypes
-    ctx, stream = p(), p()
-    assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
-    assert cuda.cuCtxSetCurrent(ctx) == 0
-    assert cuda.cuStreamCreateWithPriority(ctypes.byref(stream), 1, 0) == 0  # non-blocking, as torch's side streams
-    nccl_model_cuda.use_stream(stream.value)
+    cuda = nccl_model_cuda.driver()
+    stream = nccl_model_cuda.side_stream(cuda)
 
     on = nccl_model_cuda.on_device
     comm = mp.init_communicator(backend="nccl", timeout=20.0)
