@@ -167,6 +167,9 @@ def init_communicator(
     key = f"{base}/{generation}/id"
     # Every rank's pid, so that a rank that dies before attaching is reported by name and pid.
     pid_key = f"{base}/{generation}/pid"
+    proc_key = f"{base}/{generation}/proc"  # NCCL: what the watchdog needs to see a local peer die
+    if backend == "nccl":
+        store.set(f"{proc_key}/{group_rank}", nccl.ProcessIdentity.this_process().encode())
     store.set(f"{pid_key}/{group_rank}", str(os.getpid()))
     if group_rank == 0:
         pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, r, os.getpid())) for r in range(len(ranks))]
@@ -188,7 +191,11 @@ def init_communicator(
                 **common,
             )
         else:
+            # Each rank set its proc key before its pid key, and every pid key has been read.
+            procs = [nccl.ProcessIdentity.decode(_store_get(store, f"{proc_key}/{r}", timeout, r, pids[0]))
+                     for r in range(len(ranks))]
             relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)
+            peers = nccl.PeerWatch(relay, procs[group_rank], dict(zip(ranks, procs)))
             with torch.cuda.device(dev.index):
                 comm = _C.Communicator(
                     "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
@@ -201,7 +208,7 @@ def init_communicator(
     if backend == "shm" and _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
         _tell_if_no_single_copy(comm, ranks)
     if backend == "nccl":
-        watchdog.watch(comm, relay.publish, relay.relayed)
+        watchdog.watch(comm, relay.relayed, peers)
     _live.add(comm)
     flight_recorder.install(comm)
     return comm

@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import json
 import os
+import socket
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -115,26 +116,153 @@ def stream_handle(device: int) -> Callable[[], int]:
     return lambda: current(device).cuda_stream
 
 
+class Relayed(NamedTuple):
+    """An abort a peer published: the global rank it names as the cause, the first line of why,
+    and whether the cause is a process of the group (or the store's host) gone."""
+
+    rank: int
+    message: str
+    peer_failed: bool = False
+
+
 class AbortRelay:
     """Carries an abort between the ranks of an NCCL communicator through the store, which
     NCCL itself never does: a rank that gives up writes the key; the watchdog of every rank
-    polls it."""
+    polls it. The first store call that finds the store's host gone is the last one made
+    (torch prints a warning with a C++ stack for each): `store_gone` says why from then on."""
 
-    def __init__(self, store, key: str, rank: int):
+    def __init__(self, store: dist.Store, key: str, rank: int):
         self._store = store
         self._key = key
         self._rank = rank  # this process's global rank: the cause its peers will name
+        self.store_gone: Optional[str] = None
 
-    def publish(self, message: Optional[str]) -> None:
+    def publish(self, message: Optional[str], rank: Optional[int] = None, peer_failed: bool = False) -> None:
+        """Tells the peers; `rank` (default: this one) is the global rank their reports name."""
+        if self.store_gone is not None:
+            return  # the job is ending, and its peers learn of it themselves
+        told = {"rank": self._rank if rank is None else rank, "message": message or "aborted",
+                "peer_failed": peer_failed}
         try:
-            self._store.set(self._key, json.dumps({"rank": self._rank, "message": message or "aborted"}).encode())
+            self._store.set(self._key, json.dumps(told).encode())
+        except dist.DistNetworkError as e:
+            self._lost(e)
         except dist.DistError:
-            pass  # the store's host is gone: the job is ending, and its peers learn of it themselves
+            pass
 
-    def relayed(self) -> Optional[tuple[int, str]]:
-        """The global rank that published an abort and the first line of its reason, or None while
-        none has."""
-        if not self._store.check([self._key]):
+    def relayed(self) -> Optional[Relayed]:
+        """The abort a peer published, or None while none has (or once the store is gone)."""
+        if self.store_gone is not None:
             return None
-        told = json.loads(self._store.get(self._key))
-        return int(told["rank"]), str(told["message"]).split("\n", 1)[0]
+        try:
+            if not self._store.check([self._key]):
+                return None
+            told = json.loads(self._store.get(self._key))
+        except dist.DistNetworkError as e:
+            self._lost(e)
+            return None
+        return Relayed(int(told["rank"]), str(told["message"]).split("\n", 1)[0], bool(told.get("peer_failed")))
+
+    def _lost(self, error: dist.DistNetworkError) -> None:
+        self.store_gone = str(error).split("\n", 1)[0][:120]
+
+
+# ---- dead peers ----------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> Optional[tuple[bytes, int]]:
+    """The state letter and start time (clock ticks after boot) of process `pid`, from
+    /proc/<pid>/stat; None when there is no such process. OSError when /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()  # the name, in parentheses, may hold anything
+    return fields[0], int(fields[19])  # fields 3 (state) and 22 (starttime) of proc(5)
+
+
+class ProcessIdentity(NamedTuple):
+    """What each rank of an NCCL communicator publishes at creation, so that its peers on the
+    same machine can tell at once that its process is gone."""
+
+    pid: int
+    host: str
+    machine: str  # boot id and pid namespace: equal only where `pid` names the same process; "" if unknown
+    start: int  # start time in clock ticks after boot: a reused pid has another
+
+    @classmethod
+    def this_process(cls) -> "ProcessIdentity":
+        host = socket.gethostname()
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                machine = f"{f.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
+            start = _stat(os.getpid())[1]  # type: ignore[index] - this process exists
+        except (OSError, ValueError, IndexError):
+            return cls(os.getpid(), host, "", 0)  # no /proc: no peer is watched
+        return cls(os.getpid(), host, machine, start)
+
+    def encode(self) -> bytes:
+        return json.dumps(self._asdict()).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "ProcessIdentity":
+        return cls(**json.loads(raw))
+
+    def gone(self) -> bool:
+        """Whether the process exited (a zombie not yet reaped has) or its pid now names another.
+        Only meaningful on its own machine."""
+        try:
+            stat = _stat(self.pid)
+        except (OSError, ValueError, IndexError):
+            return False  # cannot tell: never report a live peer
+        return stat is None or stat[0] in (b"Z", b"X") or stat[1] != self.start
+
+
+class Loss(NamedTuple):
+    """What PeerWatch.loss() found: the global rank to name as the cause (None: this one, when only
+    the store is known gone), why, the global ranks whose processes are gone, and whether the
+    store's host is."""
+
+    rank: Optional[int]
+    reason: str
+    dead: frozenset[int]
+    store_gone: bool
+
+
+class PeerWatch:
+    """What the watchdog polls besides the communicator: whether the process of a peer on this
+    machine is gone (one read of /proc/<pid>/stat per peer), and whether the store's host is (the
+    relay's poll found its connection closed). A peer on another machine is seen only through
+    NCCL's errors, the relay, or the timeout."""
+
+    def __init__(self, relay: AbortRelay, me: ProcessIdentity, peers: dict[int, ProcessIdentity]):
+        self._relay = relay
+        self._local = {r: p for r, p in peers.items() if p.machine and p.machine == me.machine and p.pid != me.pid}
+        self._dead: dict[int, ProcessIdentity] = {}
+
+    def loss(self) -> Optional[Loss]:
+        """None while every watched peer is there and the store answers."""
+        for r, p in self._local.items():
+            if r not in self._dead and p.gone():
+                self._dead[r] = p
+        gone = self._relay.store_gone
+        if not self._dead and gone is None:
+            return None
+        deaths = "; ".join(f"global rank {r} (pid {p.pid} on {p.host}) is gone: its process exited"
+                           for r, p in sorted(self._dead.items()))
+        first = min(self._dead) if self._dead else None
+        if gone is None:
+            return Loss(first, deaths, frozenset(self._dead), False)
+        reason = f"the torch.distributed store's host is gone ({gone})" + (f"; {deaths}" if deaths else "")
+        return Loss(first, reason, frozenset(self._dead), True)
+
+    def tell(self, loss: Loss) -> None:
+        """Passes `loss` on to the peers through the relay (they may be on other machines)."""
+        self._relay.publish(loss.reason, rank=loss.rank, peer_failed=True)
+
+
+def abort_for_peer(comm: "_C.Communicator", rank: Optional[int], reason: str) -> None:
+    """Aborts `comm` naming global rank `rank` (None: this one) as the cause: its failures are
+    PeerFailureError quoting `reason`."""
+    comm.abort(rank=rank, reason=reason, peer_failed=True)

@@ -6,18 +6,24 @@ outside this package. Every POLL_SECONDS the watchdog asks each NCCL communicato
 (`comm.watchdog_check()`) whether device work has been pending past its timeout or NCCL has
 reported an asynchronous error. When one has, in this order:
 
-1. the communicator's lane communicators are aborted (done by watchdog_check), which unblocks
-   the stalled streams;
+1. the abort is published to the peers through the store, and then the communicator's lane
+   communicators are aborted, which unblocks the stalled streams (both done by watchdog_check;
+   ncclCommAbort itself runs on a thread of its own and may outlive the call);
 2. the flight recorder is dumped, when MEGATRON_P2P_TRACE_DIR is set;
-3. the abort is published to the peers through the store;
-4. the report (the pending ops, naming ranks and ops) is logged at error level;
-5. with MEGATRON_P2P_ASYNC_ERROR_HANDLING=end, the process ends with status EXIT_STATUS, as
+3. the report (the pending ops, naming ranks and ops) is logged at error level;
+4. with MEGATRON_P2P_ASYNC_ERROR_HANDLING=end, the process ends with status EXIT_STATUS, as
    torch's TORCH_NCCL_ASYNC_ERROR_HANDLING does, so that torchrun tears the job down: a stalled
    CUDA stream may never recover. "raise" keeps the process; the communicator's next call
    raises P2PTimeoutError or PeerFailureError with the report. The default is "end" under
    torchrun and "raise" otherwise.
 
-The same thread carries aborts from the peers (AbortRelay.poll) to their communicators.
+The same thread carries aborts from the peers (AbortRelay.relayed) to their communicators, and
+finds a dead peer within a poll instead of at the timeout (nccl.PeerWatch): a peer on this
+machine whose process is gone, or the store's host gone. It aborts the communicator, naming the
+rank, when an op is pending on the dead peer (on anyone, for the store), and then reports and
+ends the process as above; else it waits, so that a job whose ranks have finished ends quietly
+however its processes exit: an op posted to the dead peer later is found at the next poll, and a
+communicator whose store is gone is aborted quietly, failing its next call.
 
 At interpreter exit the thread is stopped and joined before finalization begins: a daemon thread
 that returns from a store call (torch's bindings release the GIL) while the interpreter
@@ -34,7 +40,7 @@ import threading
 import weakref
 from typing import Callable, Optional
 
-from . import _C, flight_recorder
+from . import _C, flight_recorder, nccl
 
 ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
 HANDLINGS = ("end", "raise")
@@ -57,11 +63,12 @@ def handling() -> str:
 
 
 class _Watched:
-    def __init__(self, comm: "_C.Communicator", publish: Callable[[str], None],
-                 relayed: Callable[[], Optional[tuple[int, str]]]):
+    def __init__(self, comm: "_C.Communicator", relayed: Callable[[], Optional[nccl.Relayed]],
+                 peers: Optional[nccl.PeerWatch]):
         self.comm = weakref.ref(comm)
-        self.publish = publish
         self.relayed = relayed
+        self.peers = peers
+        self.lost = False  # aborted for a lost peer or store: nothing more to find
 
     def open(self) -> bool:
         """Whether its communicator is alive and not closed. A method, so that no reference to it
@@ -80,14 +87,14 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
-    def watch(self, comm: "_C.Communicator", publish: Callable[[str], None],
-              relayed: Callable[[], Optional[tuple[int, str]]]) -> None:
-        """Watches `comm` until it is closed or dropped. `publish(report)` tells the peers about an
-        abort; `relayed()` returns the global rank that aborted and why, once a peer has published
-        an abort."""
+    def watch(self, comm: "_C.Communicator", relayed: Callable[[], Optional[nccl.Relayed]],
+              peers: Optional[nccl.PeerWatch] = None) -> None:
+        """Watches `comm` until it is closed or dropped. watchdog_check() publishes what it finds
+        to the peers itself (the communicator's on_abort); `relayed()` returns the global rank that aborted and why (an nccl.Relayed), once a
+        peer has published an abort; `peers` finds dead peers."""
         handling()  # a wrong setting fails at creation, not when the watchdog fires
         with self._lock:
-            self._watched.append(_Watched(comm, publish, relayed))
+            self._watched.append(_Watched(comm, relayed, peers))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="megatron_p2p-watchdog", daemon=True)
                 self._thread.start()
@@ -117,24 +124,53 @@ class Watchdog:
 
     def _check(self, w: _Watched) -> None:
         comm = w.comm()
-        if comm is None or comm.closed:
+        if comm is None or comm.closed or w.lost:
             return
         try:
             told = w.relayed()
-        except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+        except Exception:  # noqa: BLE001 - the store failed: the job is ending
             told = None
         if told is not None:
-            comm.abort(rank=told[0], reason=told[1])
+            if told.peer_failed:
+                nccl.abort_for_peer(comm, told.rank, told.message)
+            else:
+                comm.abort(rank=told.rank, reason=told.message)
             return
-        found = comm.watchdog_check()
+        loss = w.peers.loss() if w.peers is not None else None
+        found = comm.watchdog_check()  # also finishes the ops whose device work has completed
+        if found is None and loss is not None:
+            self._lost(w, comm, loss)
         if found is None:
             return
         report = str(found)
         flight_recorder.dump(comm, "watchdog", error=f"{type(found).__name__}: {report}")
-        try:
-            w.publish(report)
-        except Exception as exc:  # noqa: BLE001 - telling the peers is best effort
-            _log.warning("megatron_p2p watchdog: could not publish the abort to the peers: %s", exc)
+        self._report(report)
+
+    def _lost(self, w: _Watched, comm: "_C.Communicator", loss: nccl.Loss) -> None:
+        """A peer's process or the store's host is gone: aborts `comm` when an op is pending on
+        it (any op, for the store), reporting as for a timeout; quietly when the store is gone and
+        nothing is pending (a finished job whose store's host exited first); else waits."""
+        pending = [op for op in comm.recent_ops() if op["state"] in ("posted", "matched")]
+        hit = pending if loss.store_gone else [op for op in pending if op["peer"] in loss.dead]
+        if not hit and not loss.store_gone:
+            return  # nothing waits on the dead peer (yet)
+        w.lost = True
+        if not hit:
+            nccl.abort_for_peer(comm, loss.rank, loss.reason)
+            _log.info("megatron_p2p watchdog: rank %d: %s; nothing was pending, the next call fails",
+                      comm.global_rank, loss.reason)
+            return
+        ops = "; ".join(f"{op['label']} {'to' if op['kind'] == 'send' else 'from'} rank {op['peer']}" for op in hit)
+        report = (f"rank {comm.global_rank}: {loss.reason}; the communicator is aborted, failing its "
+                  f"{len(hit)} pending op(s): {ops}")
+        if w.peers is not None:
+            w.peers.tell(loss)  # the peers first, as for every abort: some may be on other machines
+        nccl.abort_for_peer(comm, loss.rank, loss.reason)
+        flight_recorder.dump(comm, "watchdog", error=f"PeerFailureError: {report}")
+        self._report(report)
+
+    def _report(self, report: str) -> None:
+        """Logs a finding and, under "end", ends the process."""
         _log.error("megatron_p2p watchdog: %s", report)
         if handling() == "end":
             _log.error("megatron_p2p watchdog: ending the process (%s=end)", ENV_HANDLING)
@@ -149,7 +185,7 @@ _watchdog = Watchdog()
 atexit.register(_watchdog.stop)
 
 
-def watch(comm: "_C.Communicator", publish: Callable[[str], None],
-          relayed: Callable[[], Optional[tuple[int, str]]]) -> None:
+def watch(comm: "_C.Communicator", relayed: Callable[[], Optional[nccl.Relayed]],
+          peers: Optional[nccl.PeerWatch] = None) -> None:
     """Puts `comm` under the process's watchdog (see Watchdog.watch)."""
-    _watchdog.watch(comm, publish, relayed)
+    _watchdog.watch(comm, relayed, peers)

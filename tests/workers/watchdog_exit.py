@@ -44,7 +44,7 @@ class SlowFinalizer:
 
 comm = Comm()
 if sys.argv[1] == "watchdog":
-    watchdog.watch(comm, lambda report: None, lambda: store_call())
+    watchdog.watch(comm, lambda: store_call())
 else:
     threading.Thread(target=store_call, daemon=True).start()
 entered.wait()
