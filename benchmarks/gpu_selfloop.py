@@ -1,8 +1,9 @@
 """One GPU, one rank, sending to itself: megatron_p2p's NCCL backend against torch.distributed's
 NCCL batch_isend_irecv, in the same run. Bandwidth from 1 MiB to 1 GiB (bytes / time), and per
 exchange of 1 KiB to 1 MiB: the host time to post and wait (median), and the GPU's time (CUDA
-events around exchanges queued behind a GPU sleep, so the host's pace does not count). Ratios
-are megatron_p2p / torch.
+events around exchanges queued behind a GPU sleep, so the host's pace does not count). Last,
+the host's time to post a four-op exchange on both lanes (parity and batched mode, against
+batch_isend_irecv of the same ops), in wall and thread CPU time. Ratios are megatron_p2p / torch.
 
     torchrun --standalone --nproc-per-node 1 benchmarks/gpu_selfloop.py [--out results.json]
 """
@@ -99,6 +100,70 @@ def per_exchange(comm, torch_ok: bool) -> list[dict]:
     return rows
 
 
+POSTING_ITERS = 3000
+POSTING_SYNC_EVERY = 50  # exchanges between untimed synchronizations, so the queue stays short
+
+
+def posting_host_time(comm, torch_ok: bool, nbytes: int = 4096) -> list[dict]:
+    """The host's cost to post one four-op exchange on both lanes (send_next, recv_prev,
+    send_prev, recv_next; prev == next == self): megatron_p2p's exchange in parity and batched
+    mode against torch's batch_isend_irecv of the same four ops. Timed: the posting call alone,
+    in wall time (perf_counter) and in the calling thread's CPU time (thread_time); each
+    request's wait() follows untimed, and the device is synchronized every POSTING_SYNC_EVERY
+    exchanges. Medians and 90th percentiles over POSTING_ITERS exchanges."""
+    t = {k: torch.full((nbytes // 4,), float(i), device="cuda") for i, k in
+         enumerate(("send_next", "recv_prev", "send_prev", "recv_next"))}
+    contenders = {
+        "megatron_p2p parity": lambda: list(comm.exchange(mode="parity", **t).values()),
+        "megatron_p2p batched": lambda: list(comm.exchange(mode="batched", **t).values()),
+    }
+    if torch_ok:
+        contenders["torch batch_isend_irecv"] = lambda: dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, t["send_next"], 0), dist.P2POp(dist.irecv, t["recv_prev"], 0),
+            dist.P2POp(dist.isend, t["send_prev"], 0), dist.P2POp(dist.irecv, t["recv_next"], 0)])
+    print(f"host time to post one four-op exchange of {nbytes} B tensors (both lanes), {POSTING_ITERS} exchanges, "
+          f"wait() untimed:", flush=True)
+    print(f"{'contender':<26} | {'wall us median':>14} {'p90':>8} | {'thread CPU us median':>20} {'p90':>8}",
+          flush=True)
+    rows = []
+    for name, post in contenders.items():
+        for _ in range(50):  # warm-up
+            for w in post():
+                w.wait()
+        torch.cuda.synchronize()
+        wall, cpu = [], []
+        for i in range(POSTING_ITERS):
+            w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            reqs = post()
+            c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+            for w in reqs:
+                w.wait()
+            wall.append((w1 - w0) / 1e3)
+            cpu.append((c1 - c0) / 1e3)
+            if i % POSTING_SYNC_EVERY == POSTING_SYNC_EVERY - 1:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        assert torch.equal(t["recv_prev"], t["send_next"]) and torch.equal(t["recv_next"], t["send_prev"]), name
+        t["recv_prev"].zero_()
+        t["recv_next"].zero_()
+        wall.sort()
+        cpu.sort()
+        row = {"contender": name, "wall_us_median": statistics.median(wall), "wall_us_p90": wall[len(wall) * 9 // 10],
+               "cpu_us_median": statistics.median(cpu), "cpu_us_p90": cpu[len(cpu) * 9 // 10]}
+        rows.append(row)
+        print(f"{name:<26} | {row['wall_us_median']:>14.1f} {row['wall_us_p90']:>8.1f} | "
+              f"{row['cpu_us_median']:>20.1f} {row['cpu_us_p90']:>8.1f}", flush=True)
+    torch_row = next((r for r in rows if r["contender"].startswith("torch")), None)
+    if torch_row:
+        for r in rows:
+            r["wall_ratio_to_torch"] = ratio(r["wall_us_median"], torch_row["wall_us_median"])
+            r["cpu_ratio_to_torch"] = ratio(r["cpu_us_median"], torch_row["cpu_us_median"])
+        print("ratio to torch (median wall / CPU): " + ", ".join(
+            f"{r['contender']} {r['wall_ratio_to_torch']:.2f} / {r['cpu_ratio_to_torch']:.2f}" for r in rows),
+            flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -140,6 +205,9 @@ def main() -> None:
     start = time.perf_counter()
     results["per_exchange"] = per_exchange(comm, torch_ok)
     print(f"per exchange: {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    results["posting"] = posting_host_time(comm, torch_ok)
+    print(f"posting: {time.perf_counter() - start:.1f} s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     comm.close()

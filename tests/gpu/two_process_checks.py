@@ -3,7 +3,9 @@ with NCCL_MULTI_RANK_GPU_ENABLE=1), else with one rank exchanging with itself: l
 two_process_worker.py under torchrun and judges each part from what every rank wrote.
 
 - main job (MEGATRON_P2P_ASYNC_ERROR_HANDLING=raise): exact bytes, 1F1B, debug matching and
-  its cost, a captured 1F1B step replayed against eager execution, the watchdog raising;
+  its cost, a captured 1F1B step replayed against eager execution, a capture (global mode)
+  after eager steps waited on the stream only, the watchdog raising, and comm.abort() and
+  comm.close() with a captured graph still alive (each bounded, within 1 s);
 - end job (the handling's default under torchrun): the watchdog ends the stalled rank with
   status 70 and torchrun ends the job within END_WITHIN_S of the stall.
 
@@ -37,11 +39,13 @@ import megatron_p2p as mp  # noqa: E402
 from launch import job_pids  # noqa: E402
 
 WORKER = HERE / "two_process_worker.py"
-MAIN_PARTS = ["setup", "exact_bytes", "one_f_one_b", "debug_matching", "cuda_graph", "watchdog_raise"]
+# graph_abort last: a rank that hangs in it (each call is bounded by a thread join) loses no other part.
+MAIN_PARTS = ["setup", "exact_bytes", "one_f_one_b", "debug_matching", "cuda_graph", "capture_after_wait",
+              "watchdog_raise", "graph_abort"]
 MULTI_RANK_NCCL = (2, 30, 0)
 ENV_MULTI_RANK = "NCCL_MULTI_RANK_GPU_ENABLE"
 ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
-MAIN_LIMIT_S = 100.0
+MAIN_LIMIT_S = 110.0
 END_LIMIT_S = 40.0
 END_WITHIN_S = 10.0
 

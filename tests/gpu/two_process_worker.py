@@ -19,6 +19,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -329,6 +330,128 @@ def part_cuda_graph(replays: int = 100) -> dict:
             "replays": replays, "refusal": str(refused_sync)[:300]}
 
 
+def part_capture_after_wait() -> dict:
+    """Eager 1F1B steps waited on the stream only (Request.wait(), as megatron-core does; no
+    synchronize() on any request), then torch.cuda.synchronize(), then the same steps captured
+    in the global capture mode (torch.cuda.graph's default) and replayed 3 times, the bytes of
+    every run checked: nothing the package does after stream-only waits may break the capture."""
+    comm = communicator(timeout=60.0)
+    pipes = {mode: OneFOneB(comm, 1 << 12) for mode in ("parity", "batched")}
+    eager, wrong = [], []
+    for run in range(4):
+        for mode, pipe in pipes.items():
+            pipe.load(run)
+            for r in pipe.step(mode):
+                r.wait()  # stream order only: the host never waits on these requests
+            eager.append((run, mode, pipe.received()))  # copies, queued behind the waits
+    torch.cuda.synchronize()
+    wrong += [(run, mode, "eager") for run, mode, got in eager if not same_bytes(got, pipes[mode].expected(run))]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # capture_error_mode "global", torch's default
+        for mode, pipe in pipes.items():
+            for r in pipe.step(mode):
+                r.wait()
+    replays = 3
+    for run in range(100, 100 + replays):
+        for pipe in pipes.values():
+            pipe.load(run)
+        graph.replay()
+        torch.cuda.synchronize()
+        wrong += [(run, mode, "replay") for mode, pipe in pipes.items()
+                  if not same_bytes(pipe.received(), pipe.expected(run))]
+    del graph
+    torch.cuda.synchronize()
+    comm.close()
+    assert not wrong, f"runs that delivered wrong bytes (run, mode, how): {wrong}"
+    return {"detail": f"4 eager 1F1B steps per mode waited with Request.wait() only, torch.cuda.synchronize(), then "
+                      f"both steps captured (global mode) and replayed {replays} times: every run exact",
+            "replays": replays}
+
+
+def _bounded(fn: Callable[[], Any], limit: float) -> tuple[bool, float, BaseException | None]:
+    """Runs fn in a daemon thread joined with `limit`: (returned, seconds, what it raised)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported
+            box["exc"] = exc
+
+    start = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    return not t.is_alive(), time.monotonic() - start, box.get("exc")
+
+
+_KEPT: list = []  # graphs left alive on purpose
+GRAPH_ABORT_WITHIN_S = 1.0
+GRAPH_ABORT_JOIN_S = 10.0
+
+
+def part_graph_abort() -> dict:
+    """comm.abort() and then comm.close() while a CUDA graph holding captured exchanges is still
+    alive (replayed once, not destroyed): each must return within GRAPH_ABORT_WITHIN_S (each runs
+    in a thread joined with a 10 s limit, so a hang is a failure, not a hung job); then the graph
+    is deleted, also bounded. Runs last: a rank stuck in it loses no other part."""
+    comm = communicator(timeout=60.0)
+    pipe = OneFOneB(comm, 1 << 12)
+    pipe.load(0)
+    settle(pipe.step("batched"))  # connections up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in pipe.step("batched"):
+            r.wait()
+    pipe.load(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_exact = same_bytes(pipe.received(), pipe.expected(1))
+    # A barrier (an eager exchange completes only once the peer posts it, after its replay), so
+    # that no rank's abort reaches a peer whose replay is still running.
+    x, y = torch.ones(4, device=DEVICE), torch.zeros(4, device=DEVICE)
+    settle(comm.exchange(send_next=x, recv_prev=y), timeout=20.0)
+    times: dict[str, Any] = {}
+    problems = []
+    for what, fn in (("abort", lambda: comm.abort(reason="gpu check: abort with a live captured graph")),
+                     ("close", comm.close)):
+        returned, seconds, exc = _bounded(fn, GRAPH_ABORT_JOIN_S)
+        times[f"{what}_s"] = round(seconds, 3)
+        print(f"[rank {os.environ.get('RANK')}] graph_abort: comm.{what}() "
+              f"{'returned' if returned else 'still running'} after {seconds:.3f} s"
+              f"{'' if exc is None else f', raising {exc!r}'}", flush=True)
+        if not returned:
+            problems.append(f"comm.{what}() had not returned after {GRAPH_ABORT_JOIN_S:.0f} s (hung)")
+            _KEPT.append(graph)  # never destroyed: deleting it under a hung call could hang this rank too
+            break
+        if exc is not None:
+            problems.append(f"comm.{what}() raised {exc!r}")
+        if seconds > GRAPH_ABORT_WITHIN_S:
+            problems.append(f"comm.{what}() took {seconds:.3f} s (limit {GRAPH_ABORT_WITHIN_S} s)")
+    else:
+        holder = [graph]
+        del graph
+
+        def delete() -> None:
+            holder.clear()  # the last reference: the graph is destroyed here
+            torch.cuda.synchronize()
+
+        returned, seconds, exc = _bounded(delete, GRAPH_ABORT_JOIN_S)
+        times["delete_graph_s"] = round(seconds, 3)
+        print(f"[rank {os.environ.get('RANK')}] graph_abort: deleting the graph and synchronizing "
+              f"{'returned' if returned else 'still running'} after {seconds:.3f} s"
+              f"{'' if exc is None else f', raising {exc!r}'}", flush=True)
+        if not returned or exc is not None:
+            problems.append(f"deleting the graph after the abort: {'hung' if not returned else repr(exc)}")
+    if not replay_exact:
+        problems.append("the replay before the abort delivered wrong bytes")
+    assert not problems, "; ".join(problems) + f" (times: {times})"
+    return {"detail": "with a live captured graph (replayed once, exact): " +
+                      ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in times.items()) +
+                      f" (abort and close each within {GRAPH_ABORT_WITHIN_S} s)", **times}
+
+
 def part_watchdog_raise() -> dict:
     """MEGATRON_P2P_ASYNC_ERROR_HANDLING=raise (set by the launcher): the stalled rank's next
     call raises the watchdog's report, and its stream runs again."""
@@ -399,7 +522,9 @@ PARTS: dict[str, Callable[[], dict]] = {
     "one_f_one_b": part_one_f_one_b,
     "debug_matching": part_debug_matching,
     "cuda_graph": part_cuda_graph,
+    "capture_after_wait": part_capture_after_wait,
     "watchdog_raise": part_watchdog_raise,
+    "graph_abort": part_graph_abort,
     "watchdog_end": part_watchdog_end,
 }
 
