@@ -22,10 +22,13 @@ typedef enum {
     MP_NCCL_INVALID_USAGE = 5,
     MP_NCCL_REMOTE_ERROR = 6,
     MP_NCCL_IN_PROGRESS = 7,
-    /* Not NCCL's: the package's own outcomes of waiting on an in-progress communicator. */
+    /* NCCL's ncclTimeout (2.30), which the package also returns when its own wait on an
+     * in-progress communicator passes its deadline: either way a timeout. */
     MP_NCCL_TIMEOUT = 8,
-    MP_NCCL_ABORTED = 9,
-    MP_NCCL_INTERRUPTED = 10,
+    /* Not NCCL's: the package's own outcomes of that wait, far past NCCL's codes so that no
+     * later NCCL result can be taken for them. */
+    MP_NCCL_ABORTED = 1000,
+    MP_NCCL_INTERRUPTED = 1001,
 } mp_ncclResult_t;
 
 typedef enum {

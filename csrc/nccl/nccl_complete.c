@@ -38,11 +38,12 @@ static void pause_polling(unsigned polls)
         usleep(polls > 4096 ? 1000 : 20);
 }
 
-/* How long a settle yields before it sleeps: NCCL's launch thread for a nonblocking group (NCCL
- * 2.30: src/group.cc ncclGroupEndInternal starts one per group end) usually finishes within tens
- * of microseconds, and a sleep costs far more than that (usleep(20) took about 95 us on the 2-core
- * test machine), so posting never sleeps in the steady state. */
-#define SETTLE_YIELD_SECONDS 0.002
+/* How long a settle yields before it sleeps. For a nonblocking communicator NCCL starts a thread
+ * per group end, which must run before the group is launched (NCCL 2.30: src/group.cc
+ * ncclGroupEndInternal); creating and joining a thread took 52-102 us on the 2-core test machine,
+ * and a usleep(20) about 95 us, so a sleep would double the wait: yielding lets that thread have
+ * the core, and only a launch slower than this sleeps. */
+#define SETTLE_YIELD_SECONDS 0.0005
 
 /* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. With
  * `locked`, the caller holds n->lock: it is released between polls, and an abort meanwhile
