@@ -3,6 +3,7 @@
 #include "arena_tensor.h"
 
 #include <string.h>
+#include <unistd.h>
 
 #include "shm/shm_transport.h"
 
@@ -35,13 +36,17 @@ typedef struct {
     dl_managed managed;
     int64_t length;
     mp_arena *arena;
+    pid_t owner;      /* the process that allocated it: a fork child's copy is never returned */
 } arena_block;
 
-/* Called by torch, with or without the GIL, when the tensor's storage is freed. */
+/* Called by torch, with or without the GIL, when the tensor's storage is freed. In a fork child
+ * the arena is the parent's (its lock may be held by a thread that does not exist here, and its
+ * memory is not mapped here): only the child's copy of the bookkeeping goes. */
 static void release_block(dl_managed *m)
 {
     arena_block *b = (arena_block *)m;
-    mp_arena_free(b->arena, m->tensor.data);
+    if (b->owner == getpid())
+        mp_arena_free(b->arena, m->tensor.data);
     PyMem_RawFree(b);
 }
 
@@ -65,6 +70,7 @@ static PyObject *block_tensor(mp_state *st, mp_arena *a, uint64_t nbytes, char *
         return NULL;
     }
     b->arena = a;
+    b->owner = getpid();
     b->length = (int64_t)nbytes;
     b->managed.tensor = (dl_tensor){.data = data, .device = {1, 0}, .ndim = 1, .dtype = {1, 8, 1},
                                     .shape = &b->length, .strides = NULL, .byte_offset = 0};
@@ -121,7 +127,8 @@ PyObject *mp_comm_empty(CommObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"shape", "dtype", NULL};
     PyObject *shape, *dtype;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:empty", kwlist, &shape, &dtype))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:empty", kwlist, &shape, &dtype) ||
+        mp_comm_check_owner(self) < 0)
         return NULL;
     mp_state *st = self->state;
     if (strcmp(Py_TYPE(dtype)->tp_name, "torch.dtype") != 0)

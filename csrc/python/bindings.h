@@ -54,6 +54,7 @@ typedef struct {
     PyObject *parameter_type; /* torch.nn.Parameter where it resolves them as torch.Tensor does, or NULL */
     PyTypeObject *CommunicatorType;
     PyTypeObject *RequestType;
+    PyObject *live; /* weakref.WeakSet of this process's Communicators, which a fork child disowns */
 } mp_state;
 
 typedef struct {

@@ -64,7 +64,8 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
     PyObject *rank_obj = Py_None;
     const char *reason = NULL;
     int peer_failed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Ozp:abort", kwlist, &rank_obj, &reason, &peer_failed))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Ozp:abort", kwlist, &rank_obj, &reason, &peer_failed) ||
+        mp_comm_check_owner(self) < 0)
         return NULL;
     int cause = self->group_rank;
     if (rank_obj != Py_None && (cause = mp_comm_group_rank(self, rank_obj, "rank")) < 0)

@@ -3,6 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <unistd.h>
+
 #include "communicator.h"
 #include "errors.h"
 #include "nccl/nccl_transport.h"
@@ -287,6 +289,13 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
         goto fail;
     }
     self->transport = t;
+    self->owner = getpid();
+    PyObject *added = PyObject_CallMethod(st->live, "add", "O", (PyObject *)self); /* for the fork hook */
+    if (!added) {
+        mp_comm_shutdown(self);
+        goto fail;
+    }
+    Py_DECREF(added);
     return (PyObject *)self;
 fail:
     Py_DECREF(self);

@@ -9,6 +9,8 @@
 
 PyObject *mp_comm_stats(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
+    if (mp_comm_check_owner(self) < 0)
+        return NULL;
     PyObject *stats = Py_BuildValue("{s:K,s:K,s:K,s:K,s:d}", "sends", (unsigned long long)self->sends, "recvs",
                                     (unsigned long long)self->recvs, "bytes_sent", (unsigned long long)self->bytes_sent,
                                     "bytes_received", (unsigned long long)self->bytes_received, "wait_seconds",
@@ -40,6 +42,8 @@ PyObject *mp_comm_check_tensor(CommObject *self, PyObject *args)
 
 PyObject *mp_comm_single_copy(CommObject *self, PyObject *peer)
 {
+    if (mp_comm_check_owner(self) < 0)
+        return NULL;
     if (!self->transport) /* a query: an aborted communicator still answers it */
         return PyErr_Format(self->state->P2PError, "communicator is closed");
     int r = mp_comm_group_rank(self, peer, "peer");

@@ -2,6 +2,7 @@
 #include "bindings.h"
 #include "core/dtype.h"
 #include "core/plan.h"
+#include "session.h"
 #include "shm/shm_transport.h"
 
 static struct PyModuleDef module_def;
@@ -91,7 +92,23 @@ static PyObject *plan(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kwargs
     return out;
 }
 
+/* os.register_at_fork(after_in_child=...): a fork child disowns every Communicator it inherited,
+ * before any of its code runs (README, "Fork"). */
+static PyObject *after_fork_in_child(PyObject *mod, PyObject *Py_UNUSED(ignored))
+{
+    mp_state *st = state_of(mod);
+    PyObject *comms = st->live ? PySequence_List(st->live) : NULL;
+    if (!comms)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(comms); i++)
+        mp_comm_disown((CommObject *)PyList_GET_ITEM(comms, i));
+    Py_DECREF(comms);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_after_fork_in_child", after_fork_in_child, METH_NOARGS,
+     "Run by os.register_at_fork in a fork child: disowns the Communicators the child inherited."},
     {"new_unique_id", new_unique_id, METH_NOARGS,
      "new_unique_id() -> str: an unguessable shared-memory segment name for a new communicator."},
     {"check_tensor", (PyCFunction)(void (*)(void))check_tensor, METH_VARARGS | METH_KEYWORDS,
@@ -146,6 +163,27 @@ static int load_torch(mp_state *st)
     return rc;
 }
 
+/* The set of live Communicators, and the fork hook that disowns them in a child. */
+static int watch_forks(PyObject *mod, mp_state *st)
+{
+    PyObject *weakref = PyImport_ImportModule("weakref");
+    st->live = weakref ? PyObject_CallMethod(weakref, "WeakSet", NULL) : NULL;
+    Py_XDECREF(weakref);
+    PyObject *os = st->live ? PyImport_ImportModule("os") : NULL;
+    PyObject *hook = os ? PyObject_GetAttrString(mod, "_after_fork_in_child") : NULL;
+    PyObject *args = hook ? PyTuple_New(0) : NULL;
+    PyObject *kwargs = args ? Py_BuildValue("{s:O}", "after_in_child", hook) : NULL;
+    PyObject *reg = kwargs ? PyObject_GetAttrString(os, "register_at_fork") : NULL;
+    PyObject *done = reg ? PyObject_Call(reg, args, kwargs) : NULL;
+    Py_XDECREF(os);
+    Py_XDECREF(hook);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(reg);
+    Py_XDECREF(done);
+    return done ? 0 : -1;
+}
+
 static int module_exec(PyObject *mod)
 {
     mp_state *st = state_of(mod);
@@ -172,7 +210,7 @@ static int module_exec(PyObject *mod)
         add_exception(mod, &st->BackendUnavailableError, "BackendUnavailableError", st->P2PError,
                       "The requested backend cannot run here (missing library or device).") < 0)
         return -1;
-    if (load_torch(st) < 0 || mp_capi_add(mod) < 0)
+    if (load_torch(st) < 0 || mp_capi_add(mod) < 0 || watch_forks(mod, st) < 0)
         return -1;
     if (PyModule_AddFunctions(mod, mp_nccl_methods) < 0 || PyModule_AddFunctions(mod, mp_simulate_methods) < 0)
         return -1;
@@ -215,6 +253,7 @@ static int module_traverse(PyObject *mod, visitproc visit, void *arg)
         Py_VISIT(st->attr_descrs[a]);
     Py_VISIT(st->CommunicatorType);
     Py_VISIT(st->RequestType);
+    Py_VISIT(st->live);
     return 0;
 }
 
@@ -243,6 +282,7 @@ static int module_clear(PyObject *mod)
     }
     Py_CLEAR(st->CommunicatorType);
     Py_CLEAR(st->RequestType);
+    Py_CLEAR(st->live);
     return 0;
 }
 

@@ -209,7 +209,7 @@ static int stream_wait(RequestObject *self)
 static PyObject *request_wait(RequestObject *self, PyObject *args, PyObject *kwargs)
 {
     double timeout;
-    if (parse_timeout(args, kwargs, "|O:wait", &timeout) < 0)
+    if (parse_timeout(args, kwargs, "|O:wait", &timeout) < 0 || mp_comm_check_owner(self->comm) < 0)
         return NULL;
     mp_transport *t = self->comm->transport;
     int rc = t && t->ops->stream_wait ? stream_wait(self) : request_complete(self, timeout);
@@ -232,7 +232,8 @@ static int refuse_captured(RequestObject *self, const char *what)
 static PyObject *request_synchronize(RequestObject *self, PyObject *args, PyObject *kwargs)
 {
     double timeout;
-    if (parse_timeout(args, kwargs, "|O:synchronize", &timeout) < 0 || refuse_captured(self, "synchronize()") < 0 ||
+    if (parse_timeout(args, kwargs, "|O:synchronize", &timeout) < 0 || mp_comm_check_owner(self->comm) < 0 ||
+        refuse_captured(self, "synchronize()") < 0 ||
         request_complete(self, timeout) < 0)
         return NULL;
     Py_RETURN_TRUE;
@@ -240,7 +241,7 @@ static PyObject *request_synchronize(RequestObject *self, PyObject *args, PyObje
 
 static PyObject *request_is_completed(RequestObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (refuse_captured(self, "is_completed()") < 0)
+    if (mp_comm_check_owner(self->comm) < 0 || refuse_captured(self, "is_completed()") < 0)
         return NULL;
     mp_transport *t = self->comm->transport;
     if (!mp_op_done(&self->op) && t && t->ops->progress)

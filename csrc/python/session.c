@@ -2,6 +2,7 @@
 #include "session.h"
 
 #include <stdatomic.h>
+#include <unistd.h>
 
 #include "core/clock.h"
 #include "core/dtype.h"
@@ -144,8 +145,28 @@ PyObject *mp_comm_pending_report(CommObject *self)
     return out;
 }
 
+void mp_comm_disown(CommObject *self)
+{
+    self->forked = 1;
+    self->transport = NULL;
+    self->closing = NULL;
+    self->busy = 0;
+}
+
+int mp_comm_check_owner(CommObject *self)
+{
+    if (!self->forked)
+        return 0;
+    PyErr_Format(self->state->P2PError, "this communicator was created by process %ld; a forked child cannot use "
+                 "it (this is process %ld): create one in the child if it needs to communicate",
+                 (long)self->owner, (long)getpid());
+    return -1;
+}
+
 int mp_comm_check_usable(CommObject *self)
 {
+    if (mp_comm_check_owner(self) < 0)
+        return -1;
     if (!self->transport) {
         PyErr_SetString(self->state->P2PError, "communicator is closed");
         return -1;

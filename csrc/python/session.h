@@ -4,6 +4,8 @@
 #ifndef MP_SESSION_H
 #define MP_SESSION_H
 
+#include <sys/types.h>
+
 #include "bindings.h"
 #include "core/trace.h"
 #include "core/transport.h"
@@ -16,6 +18,10 @@ typedef struct {
      * it in `closing` for the last of them to destroy. */
     int busy;
     mp_transport *closing;
+    /* The process that created it. A fork child inherits the object but not the transport: its
+     * threads, locks and shared memory are the parent's (README, "Fork"). */
+    pid_t owner;
+    int forked;              /* set in a fork child: the transport is forgotten, never touched */
     int group_rank;
     int size;
     int nlanes;
@@ -58,6 +64,11 @@ void mp_comm_leave(CommObject *comm);
 /* Stops the transport (close, dealloc); it finishes every op still pending (as closed), so no
  * Request is left pointing into a dead transport. */
 void mp_comm_shutdown(CommObject *comm);
+/* In a fork child: forgets the transport without touching it (its memory here is a copy of the
+ * parent's, whose locks may be held by threads that do not exist here); every later call raises. */
+void mp_comm_disown(CommObject *comm);
+/* 0 in the process that created the communicator; else -1 with the P2PError that says so. */
+int mp_comm_check_owner(CommObject *comm);
 /* Drops the finished Requests from the in-flight list, recording their results in the trace. */
 void mp_comm_prune(CommObject *comm);
 /* The pending-op report used by timeouts and aborts. */

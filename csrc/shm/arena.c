@@ -82,6 +82,7 @@ mp_result mp_arena_create(const char *name, uint64_t bytes, mp_arena **out, char
         mp_arena_release(a);
         return r;
     }
+    madvise(a->base, bytes, MADV_DONTFORK); /* the creating process's only: README, "Fork" */
 #ifdef MADV_HUGEPAGE
     madvise(a->base, bytes, MADV_HUGEPAGE); /* where the kernel allows it (shmem_enabled = advise) */
 #endif
@@ -108,10 +109,12 @@ mp_result mp_arena_map_peer(const char *name, uint64_t bytes, char **base, char 
         r = MP_ERR_SYSTEM;
     } else {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p == MAP_FAILED)
+        if (p == MAP_FAILED) {
             r = shm_system_error(err, errlen, "cannot map a peer's receive arena", name, errno);
-        else
+        } else {
+            madvise(p, bytes, MADV_DONTFORK);
             *base = p;
+        }
     }
     close(fd);
     return r;
