@@ -6,7 +6,6 @@ the moment of the exit).
 
 params: timeout (rank 1's communicator timeout, long: the report must come from the store
 vanishing), delay (how long rank 0 lets rank 1 wait before it exits)."""
-import datetime
 import os
 import signal
 import time
@@ -15,20 +14,12 @@ import harness
 
 
 def body(params):
-    import torch.distributed as dist
-
     import megatron_p2p as mp
     from megatron_p2p.communicator import _env_rendezvous
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     agent_store, me, world = _env_rendezvous()
-    if me == 0:
-        own = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-        agent_store.set("port", str(own.port))
-    else:
-        own = dist.TCPStore("127.0.0.1", int(agent_store.get("port")), world, is_master=False,
-                            timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=own, rank=me, world_size=world)
+    _store = harness.store_of_rank0(agent_store, me, world)  # held: the communicator's store
     if me == 0:
         time.sleep(params["delay"])
         agent_store.set("exited_at", repr(time.time()))

@@ -30,6 +30,24 @@ def caught(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"type": None, "elapsed": time.monotonic() - start}
 
 
+def store_of_rank0(agent_store: Any, me: int, world: int) -> Any:
+    """A TCPStore hosted by rank 0's process (not torchrun's agent store, which outlives it), made
+    the default store through a gloo group, so that a communicator bootstraps and relays through
+    it and it dies with rank 0."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if me == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        agent_store.set("port", str(store.port))
+    else:
+        store = dist.TCPStore("127.0.0.1", int(agent_store.get("port")), world, is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=me, world_size=world)
+    return store
+
+
 def run(body: Callable[[dict[str, Any]], Any]) -> None:
     rank = int(os.environ["RANK"])
     out = Path(os.environ["MP_RESULT_DIR"])

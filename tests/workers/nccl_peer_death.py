@@ -13,7 +13,6 @@ blocks in synchronize(). params["case"]:
 The waiter reports its calls (harness.caught) and, for the deaths, after_death: seconds from the
 moment the victim died to the end of the failing call (torchrun's store carries the moment).
 Every rank ignores torchrun's SIGTERM, so that the waiter can report after the victim's death."""
-import datetime
 import os
 import signal
 import time
@@ -28,21 +27,6 @@ def die(agent_store) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def own_store(agent_store, me: int, world: int):
-    """A TCPStore hosted by rank 0's process, made the default store through a gloo group, so that
-    the communicator bootstraps and relays through it and it dies with rank 0."""
-    import torch.distributed as dist
-
-    if me == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-        agent_store.set("port", str(store.port))
-    else:
-        store = dist.TCPStore("127.0.0.1", int(agent_store.get("port")), world, is_master=False,
-                              timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=me, world_size=world)
-    return store
-
-
 def body(params):
     nccl_model_cuda.install()
     import torch
@@ -55,7 +39,7 @@ def body(params):
     case = params["case"]
     agent_store, me, world = _env_rendezvous()
     if case in ("store_killed", "normal_end"):
-        own_store(agent_store, me, world)
+        harness.store_of_rank0(agent_store, me, world)
     comm = mp.init_communicator(backend="nccl", timeout=params["timeout"])
     victim = 0 if case == "store_killed" else 1
     peer = comm.ranks[1 - comm.rank]
