@@ -123,9 +123,9 @@ def test_a_corrupt_segment_report_names_the_field_and_its_value(rounds):
         if not reports:
             continue
         detailed = [m for m in reports if re.search(r"corrupt segment: .*\d", m)]
-        assert detailed, r
+        assert detailed, (reports, r["overwritten"], r["moment"])
         words = [w for name in field_names(r) for w in (name, *REPORTED_AS.get(name, ()))]
-        assert any(w in m for m in detailed for w in words), r
+        assert any(w in m for m in detailed for w in words), (detailed, r["overwritten"], r["moment"])
 
 
 def test_garbage_is_caught_in_many_rounds_at_every_moment(rounds):
