@@ -32,6 +32,10 @@ typedef struct {
     /* Stops progress, fails what is pending with MP_ERR_CLOSED, frees everything. */
     void (*destroy)(mp_transport *t);
 
+    /* Whether begin() and end() may wait for another thread's posting (a lock held across a
+     * launch): the bindings then call them with the GIL released. shm's take a few instructions. */
+    int begin_end_may_wait;
+
     /* Optional (NULL: not needed). */
     /* Before the steps of one call: the work posted next starts after what `stream` holds
      * (device transports; NULL on the CPU). */

@@ -239,6 +239,7 @@ static const mp_transport_ops nccl_ops = {
     .abort_cause = nccl_abort_cause,
     .describe_peer = nccl_describe_peer,
     .destroy = nccl_destroy,
+    .begin_end_may_wait = 1, /* `issue` is held across a group's launch */
     .begin = nccl_begin,
     .end = nccl_end,
     .progress = nccl_progress,

@@ -45,9 +45,11 @@ static int begin_posting(CommObject *self)
     if (mp_comm_stream(self, &stream) < 0)
         return -1;
     mp_result r = MP_ERR_CLOSED;
-    mp_transport *t = mp_comm_enter(self);
-    if (t) {
-        Py_BEGIN_ALLOW_THREADS /* another thread's posting may hold the transport's locks a while */
+    mp_transport *t = self->transport;
+    if (!t->ops->begin_end_may_wait) {
+        r = t->ops->begin(t, stream);
+    } else if ((t = mp_comm_enter(self))) { /* a close meanwhile is left to our leave */
+        Py_BEGIN_ALLOW_THREADS /* another thread's posting may hold the transport's lock a while */
         r = t->ops->begin(t, stream);
         Py_END_ALLOW_THREADS
         mp_comm_leave(self);
@@ -68,15 +70,17 @@ static int begin_posting(CommObject *self)
 /* A failure here has failed the posted ops already; their Requests report it. */
 static void end_posting(CommObject *self)
 {
-    mp_transport *t = self->transport ? mp_comm_enter(self) : NULL;
-    if (!t)
+    mp_transport *t = self->transport;
+    if (!t || !t->ops->end)
         return;
-    if (t->ops->end) {
+    if (!t->ops->begin_end_may_wait) {
+        t->ops->end(t);
+    } else if ((t = mp_comm_enter(self))) {
         Py_BEGIN_ALLOW_THREADS
         t->ops->end(t);
         Py_END_ALLOW_THREADS
+        mp_comm_leave(self);
     }
-    mp_comm_leave(self);
 }
 
 /* Debug matching compares shapes: the tensor's, read here (torch.Size is a tuple). */
