@@ -157,15 +157,15 @@ def test_abort_returns_right_after_the_last_graph_holder_is_destroyed(promises):
 # ncclGroupEnd (NCCL 2.30: src/group.cc ncclGroupEndInternal; src/init.cc ncclCommGetAsyncError,
 # ncclCommEnsureReady, ncclCommAbort).
 
-def test_with_group_thread_a_nonblocking_group_end_with_work_answers_in_progress_on_a_new_thread_every_time(promises):
-    """MPFAKE_NCCL_GROUP_THREAD=1: as NCCL."""
+def test_a_nonblocking_group_end_with_work_answers_in_progress_on_a_new_thread_every_time(promises):
+    """The model's default, as NCCL."""
     assert promises["nonblocking_group_end"] == [7] * 5  # ncclInProgress
     assert promises["nonblocking_group_threads"] == [1] * 5
     assert promises["nonblocking_group_bytes"] == list(range(8))
 
 
-def test_without_group_thread_an_undelayed_nonblocking_group_launches_on_the_caller(promises):
-    """The model's default, kept while the transport's fault tests rely on it."""
+def test_with_group_thread_off_an_undelayed_nonblocking_group_launches_on_the_caller(promises):
+    """MPFAKE_NCCL_GROUP_THREAD=0, an option."""
     assert promises["undelayed_group_end_without_group_thread"] == [0, 0]
 
 
@@ -190,6 +190,41 @@ def test_a_send_after_the_group_settled_is_accepted(promises):
 def test_abort_joins_a_group_thread_still_waiting_at_once_and_launches_nothing(promises):
     assert promises["abort_during_group_thread_s"] < 0.5
     assert promises["aborted_group_bytes"] == [0] * 8
+
+
+# ncclCommSplit and connecting launches (NCCL 2.30: src/init.cc ncclCommSplit, ncclCommInitChildComm;
+# src/group.cc ncclAsyncLaunch; src/channel.cc initChannel; src/transport.cc ncclTransportP2pSetup;
+# src/bootstrap.cc checkAbort; the user guide's "Fault Tolerance").
+
+def test_a_split_of_a_nonblocking_parent_runs_in_progress_and_delivers_the_child(promises):
+    for case in ("split_shared", "split_unshared"):
+        assert promises[case]["split_answer"] == 7 and promises[case]["parent_during_split"] == 7, case
+        assert promises[case]["child_delivered"], case
+
+
+def test_a_blocking_launch_waits_for_a_peer_that_has_not_reached_the_connection(promises):
+    assert promises["split_shared"]["launch_waits_for_the_peer"]
+    assert promises["split_unshared"]["launch_waits_for_the_peer"]
+
+
+def test_with_split_share_the_parents_abort_ends_the_childs_stuck_launch(promises):
+    shared = promises["split_shared"]
+    assert shared["parent_abort_ends_the_launch"] and shared["ended_after_s"] < 0.5
+    assert shared["launch_result"] == 3  # ncclInternalError, as bootstrap's checkAbort
+    assert shared["unsafe_aborts"] == 0 and shared["group_threads"] == 0
+
+
+def test_without_split_share_only_an_abort_of_the_child_itself_ends_it_which_nccl_calls_unsafe(promises):
+    unshared = promises["split_unshared"]
+    assert not unshared["parent_abort_ends_the_launch"]
+    assert unshared["launch_result"] == 3
+    assert unshared["unsafe_aborts"] == 1
+
+
+def test_a_blocking_childs_launch_with_its_peer_connects_delivers_and_starts_no_thread(promises):
+    connected = promises["split_connected"]
+    assert connected["answers"] == [0, 0] and connected["group_threads"] == 0
+    assert connected["bytes"] == list(range(8))
 
 
 # Buffered small sends, MPFAKE_NCCL_EAGER_BYTES (NCCL 2.30: src/device/prims_simple.h waitPeer;
@@ -323,7 +358,11 @@ def test_a_rank_that_times_out_aborts_its_peer_through_the_relay_naming_itself(s
     assert "group rank 0" in relayed["msg"], relayed["msg"]
 
 
-REMOTE_ERROR_AFTER_WARM_UP = {"MPFAKE_NCCL_ASYNC_ERROR_AFTER": "2"}  # then ncclRemoteError, and kernels stall
+# ncclRemoteError, and kernels stall, once the first op after each lane's 2 warm-up ops has completed
+REMOTE_ERROR_AFTER_WARM_UP = {"MPFAKE_NCCL_ASYNC_ERROR_AFTER": "3"}
+# The data communicators nonblocking, as NCCL_COMM_BLOCKING=0 makes them: each group end answers
+# ncclInProgress, and the transport settles it.
+NONBLOCKING_DATA = {"NCCL_COMM_BLOCKING": "0"}
 
 
 def test_an_asynchronous_remote_error_fails_the_communicator_at_once_as_a_peer_failure():
@@ -337,7 +376,8 @@ def test_an_asynchronous_remote_error_fails_the_communicator_at_once_as_a_peer_f
 def test_a_remote_error_seen_while_a_group_end_settles_is_a_peer_failure_too():
     """The same ncclRemoteError, met by ncclGroupEnd's ncclInProgress wait instead of a host wait."""
     v = run_one("nccl_model_faults.py", {"case": "silent", "wait": 10.0},
-                env={**REMOTE_ERROR_AFTER_WARM_UP, **STUCK_GROUP_END, "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "50"})
+                env={**REMOTE_ERROR_AFTER_WARM_UP, **STUCK_GROUP_END, "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "50",
+                     **NONBLOCKING_DATA})
     assert v["wait"]["type"] == "PeerFailureError", v["wait"]
 
 
@@ -362,7 +402,7 @@ def test_init_that_answers_in_progress_for_a_while_completes(tmp_path):
 
 def test_group_end_that_answers_in_progress_completes_every_exchange(tmp_path):
     v, log = in_progress_log(tmp_path, {"MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "20",
-                                        "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1"})
+                                        "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1", **NONBLOCKING_DATA})
     delivered_exactly([v])
     assert log.count("group-in-progress") >= 8, log  # warm-up and every exchange's groups
 
@@ -431,7 +471,8 @@ STUCK_GROUP_END = {  # every group after each lane's warm-up answers ncclInProgr
 def test_abort_reaches_a_group_stuck_in_progress_at_once():
     """Finding 2: an abort (from the relay or a watchdog thread) while ncclGroupEnd is still in
     progress must not wait for the launch to settle."""
-    v = run_one("nccl_model_findings.py", {"case": "abort", "abort_after": 0.5, "timeout": 10.0}, env=STUCK_GROUP_END)
+    v = run_one("nccl_model_findings.py", {"case": "abort", "abort_after": 0.5, "timeout": 10.0},
+                env={**STUCK_GROUP_END, **NONBLOCKING_DATA})
     assert v["exchange"]["type"] is not None, v
     assert v["abort_returned_after"] < 0.5, v
     assert v["exchange"]["since_start"] < 1.5, v
@@ -534,3 +575,33 @@ def test_a_communicator_is_refused_when_the_environment_forces_blocking_nccl():
 def test_a_communicator_is_made_when_the_environment_leaves_nccl_nonblocking(value):
     v = run_one("nccl_model_errors.py", {"case": "one_rank"}, env={"NCCL_COMM_BLOCKING": value})
     assert v["create"]["type"] is None, v["create"]
+
+
+# ---- the data path's launches: blocking children of the nonblocking parents ----------------------
+# NCCL 2.30: a nonblocking communicator's group end starts a thread every time (src/group.cc
+# ncclGroupEndInternal); a blocking one launches on the caller's thread, and a launch that connects
+# a new pair waits for the peer (src/transport.cc ncclTransportP2pSetup) until the abort flag,
+# which a child split with splitShare shares with its parent (src/init.cc ncclCommInitChildComm).
+
+def test_steady_state_exchanges_start_no_thread():
+    v = run_one("nccl_model_launch.py", {"case": "threads", "exchanges": 50})
+    assert v["group_threads"] == 0, v
+
+
+def test_with_nonblocking_data_communicators_every_group_end_starts_a_thread():
+    v = run_one("nccl_model_launch.py", {"case": "threads", "exchanges": 50}, env=NONBLOCKING_DATA)
+    assert v["group_threads"] >= 50, v
+
+
+def test_a_launch_stuck_connecting_to_a_silent_peer_ends_at_the_timeout_without_an_unsafe_abort():
+    ranks = run_ranks("nccl_model_launch.py", 4, {"case": "connect", "peer_delay": None, "timeout": 2.0, "idle": 4.0})
+    send = ranks[0]["send"]
+    assert send["type"] == "P2PTimeoutError" and 2.0 <= send["since_start"] < 4.0, send
+    assert "launch has not returned" in send["msg"], send["msg"]
+    assert [r["unsafe_aborts"] for r in ranks] == [0] * 4, ranks
+
+
+def test_a_launch_connecting_to_a_peer_that_posts_late_delivers():
+    ranks = run_ranks("nccl_model_launch.py", 4, {"case": "connect", "peer_delay": 1.0, "timeout": 10.0})
+    assert ranks[0]["send"]["type"] is None and ranks[2]["recv"]["type"] is None, ranks
+    assert ranks[2]["exact"] and [r["unsafe_aborts"] for r in ranks] == [0] * 4, ranks

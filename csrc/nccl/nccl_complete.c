@@ -45,10 +45,10 @@ static void pause_polling(unsigned polls)
  * the core, and only a launch slower than this sleeps. */
 #define SETTLE_YIELD_SECONDS 0.0005
 
-/* Waits for ncclGroupEnd / init on a nonblocking communicator to leave ncclInProgress. With
- * `locked`, the caller holds n->lock: it is released between polls, and an abort meanwhile
- * (which hands `comm` to the reaper) ends the wait with MP_NCCL_ABORTED. */
-mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int locked)
+/* Waits for ncclGroupEnd / init / split on a nonblocking communicator to leave ncclInProgress.
+ * With `watch_abort` (a posting thread's launch, the lock not held), an abort meanwhile ends the
+ * wait with MP_NCCL_ABORTED. */
+mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int watch_abort)
 {
     mp_ncclResult_t state = MP_NCCL_IN_PROGRESS;
     double yield_until = mp_now() + SETTLE_YIELD_SECONDS;
@@ -61,15 +61,15 @@ mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int 
             return MP_NCCL_TIMEOUT;
         if (mp_interrupted(n->interrupt))
             return MP_NCCL_INTERRUPTED;
-        if (locked)
-            pthread_mutex_unlock(&n->lock);
         if (mp_now() < yield_until)
             sched_yield(); /* the launch thread may need this core */
         else
             pause_polling(polls);
-        if (locked) {
+        if (watch_abort) {
             pthread_mutex_lock(&n->lock);
-            if (n->cause != MP_OK)
+            mp_result cause = n->cause;
+            pthread_mutex_unlock(&n->lock);
+            if (cause != MP_OK)
                 return MP_NCCL_ABORTED;
         }
     }
@@ -105,13 +105,16 @@ void nccl_progress_locked(nccl_t *n)
 static mp_result async_error_locked(nccl_t *n, char *detail, size_t len)
 {
     for (int l = 0; l < n->base.nlanes; l++) {
-        mp_ncclResult_t state = MP_NCCL_SUCCESS;
-        if (!n->lanes[l].comm || n->nccl->CommGetAsyncError(n->lanes[l].comm, &state) != MP_NCCL_SUCCESS)
-            continue;
-        if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
-            snprintf(detail, len, "NCCL reported an asynchronous error on lane %d: %s", l,
-                     nccl_error(n, n->lanes[l].comm, state).text);
-            return nccl_cause_of(state);
+        mp_ncclComm_t comms[] = {n->lanes[l].comm, n->lanes[l].root}; /* the root's: shared connections */
+        for (size_t k = 0; k < sizeof comms / sizeof *comms; k++) {
+            mp_ncclResult_t state = MP_NCCL_SUCCESS;
+            if (!comms[k] || n->nccl->CommGetAsyncError(comms[k], &state) != MP_NCCL_SUCCESS)
+                continue;
+            if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
+                snprintf(detail, len, "NCCL reported an asynchronous error on lane %d: %s", l,
+                         nccl_error(n, comms[k], state).text);
+                return nccl_cause_of(state);
+            }
         }
     }
     return MP_OK;
@@ -197,6 +200,12 @@ mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_t len)
         nccl_progress_locked(n);
         cause = async_error_locked(n, detail, len);
         double now = mp_now();
+        if (cause == MP_OK && n->launching && now - n->launch_began > timeout) {
+            snprintf(detail, len, "lane %d: a group's launch has not returned after %.1f s (timeout %.1f s): NCCL is "
+                     "connecting to a peer that has not posted its side", n->launch_lane, now - n->launch_began,
+                     timeout);
+            cause = MP_ERR_TIMEOUT;
+        }
         for (int l = 0; cause == MP_OK && l < t->nlanes; l++) {
             const fence *f = n->lanes[l].head;
             if (f && now - f->recorded > timeout) {

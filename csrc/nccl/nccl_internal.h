@@ -23,8 +23,16 @@ typedef struct fence {
     struct fence *next;
 } fence;
 
+/* Each lane has a nonblocking communicator made at creation, whose init and warm-up any abort,
+ * timeout or Ctrl-C can end, and where NCCL has ncclCommSplit, a blocking child of it for the data:
+ * NCCL launches a blocking communicator's group on the caller's thread, where a nonblocking one
+ * starts a thread per group end (NCCL 2.30: src/group.cc ncclGroupEndInternal). The child shares
+ * the parent's abort flag and connections (splitShare; src/init.cc ncclCommInitChildComm,
+ * src/channel.cc initChannel), so the parent's abort ends a launch of the child stuck connecting
+ * to a peer, and the parent's warm-up connects the child. */
 typedef struct {
-    mp_ncclComm_t comm;      /* NULL once aborted */
+    mp_ncclComm_t comm;      /* the data's: the child, or the parent itself; NULL once aborted */
+    mp_ncclComm_t root;      /* the parent, when `comm` is its child; else NULL */
     mp_CUstream stream;
     mp_step *open_head, *open_tail; /* issued since begin(), not yet fenced */
     fence *head, *tail;      /* fenced, oldest first: events on one stream fire in order */
@@ -55,6 +63,14 @@ typedef struct {
      * that an abort from the relay or the watchdog reaches a group stuck in ncclInProgress. */
     pthread_mutex_t issue;
     pthread_mutex_t lock;
+    /* A group being launched by the posting thread, which holds `issue` but not `lock` meanwhile
+     * (a blocking launch may wait for a peer to connect): the watchdog times it, and the reaper
+     * aborts the lane communicators only once it has returned, since NCCL's abort needs no other
+     * thread inside a call on the communicator (user guide, "Fault Tolerance"). Under `lock`. */
+    int launching;
+    int launch_lane;
+    double launch_began;
+    pthread_cond_t launched;
     mp_result cause;
     int cause_rank;
     char cause_detail[MP_DETAIL_LEN];
@@ -105,7 +121,7 @@ mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream);
 
 /* nccl_complete.c */
 void nccl_finish_steps(mp_step *s, mp_result r, const char *detail);
-mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int locked);
+mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int watch_abort);
 void nccl_progress_locked(nccl_t *n);
 void nccl_check_async_locked(nccl_t *n);
 mp_result nccl_await_event_locked(nccl_t *n, mp_CUevent event, double deadline, char *detail, size_t len);

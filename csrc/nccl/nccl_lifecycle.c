@@ -202,6 +202,9 @@ void nccl_release(nccl_t *n)
         mp_CUcontext saved;
         nccl_enter(n, &saved); /* best effort: the process may be ending */
         for (int l = 0; l < n->base.nlanes; l++)
+            if (n->lanes[l].comm) /* a split's child delivered after its parent's abort */
+                n->nccl->CommAbort(n->lanes[l].comm);
+        for (int l = 0; l < n->base.nlanes; l++)
             if (n->lanes[l].stream)
                 n->cu->StreamDestroy(n->lanes[l].stream);
         fence *lists[] = {n->spare, n->graph_fences};
@@ -226,6 +229,7 @@ void nccl_release(nccl_t *n)
     }
     if (n->ctx_retained)
         n->cu->DevicePrimaryCtxRelease(n->device);
+    pthread_cond_destroy(&n->launched);
     pthread_mutex_destroy(&n->lock);
     pthread_mutex_destroy(&n->issue);
     free(n);
@@ -251,28 +255,30 @@ static const mp_transport_ops nccl_ops = {
 /* ---- creation ------------------------------------------------------------------------------- */
 
 /* One tiny group per lane to every ring neighbour, so that connection setup happens now, in the
- * same order on every rank, and not inside the first exchange. */
+ * same order on every rank, and not inside the first exchange: on the nonblocking parent, whose
+ * connections its child shares, so that a neighbour that never comes ends at the deadline. */
 static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
 {
     int rank = n->base.rank, size = n->base.size;
     int next = (rank + 1) % size, prev = (rank + size - 1) % size;
     for (int l = 0; l < n->base.nlanes; l++) {
         lane_t *lane = &n->lanes[l];
+        mp_ncclComm_t comm = lane->root ? lane->root : lane->comm; /* nonblocking: any wait can end */
         char *base = (char *)(uintptr_t)n->scratch;
         mp_ncclResult_t r = n->nccl->GroupStart();
         if (r == MP_NCCL_SUCCESS) {
-            n->nccl->Send(base, 1, MP_NCCL_UINT8, next, lane->comm, lane->stream);
-            n->nccl->Recv(base + 1, 1, MP_NCCL_UINT8, prev, lane->comm, lane->stream);
+            n->nccl->Send(base, 1, MP_NCCL_UINT8, next, comm, lane->stream);
+            n->nccl->Recv(base + 1, 1, MP_NCCL_UINT8, prev, comm, lane->stream);
             if (next != prev) {
-                n->nccl->Send(base, 1, MP_NCCL_UINT8, prev, lane->comm, lane->stream);
-                n->nccl->Recv(base + 2, 1, MP_NCCL_UINT8, next, lane->comm, lane->stream);
+                n->nccl->Send(base, 1, MP_NCCL_UINT8, prev, comm, lane->stream);
+                n->nccl->Recv(base + 2, 1, MP_NCCL_UINT8, next, comm, lane->stream);
             }
             r = n->nccl->GroupEnd();
             if (r == MP_NCCL_IN_PROGRESS)
-                r = nccl_settle(n, lane->comm, deadline, 0);
+                r = nccl_settle(n, comm, deadline, 0);
         }
         if (r != MP_NCCL_SUCCESS) {
-            snprintf(err, errlen, "warming up lane %d failed: %s", l, nccl_error(n, lane->comm, r).text);
+            snprintf(err, errlen, "warming up lane %d failed: %s", l, nccl_error(n, comm, r).text);
             return nccl_cause_of(r);
         }
         mp_CUresult c = n->cu->EventRecord(n->ready, lane->stream);
@@ -331,6 +337,59 @@ static mp_result open_device(nccl_t *n, const mp_nccl_config *cfg, char *err, si
     return MP_OK;
 }
 
+/* Whether NCCL_COMM_SPLIT_SHARE_RESOURCES=0 keeps a child from sharing its parent's abort flag: NCCL
+ * lets it override the config's splitShare (NCCL 2.30: src/init.cc parseCommConfig). */
+static int env_forbids_sharing(void)
+{
+    const char *value = getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
+    char *end;
+    long long v = value && *value ? strtoll(value, &end, 0) : 1;
+    return value && *value && !*end && v == 0;
+}
+
+/* Makes each lane's data communicator a blocking child of its nonblocking parent (see lane_t). The
+ * split runs in the parent's mode, on NCCL's thread, so that the deadline and Ctrl-C still end it
+ * (src/group.cc: ncclAsyncLaunch takes the group's mode from the parent). Without ncclCommSplit
+ * (before 2.18), or where the child could not share the parent's abort flag, the parent carries the
+ * data, and every group end costs NCCL's thread. */
+static mp_result split_data_comms(nccl_t *n, const mp_nccl_config *cfg, double deadline, char *err, size_t errlen)
+{
+    if (!n->nccl->CommSplit || n->nccl->version < MP_NCCL_SPLIT_VERSION || env_forbids_sharing())
+        return MP_OK;
+    mp_ncclConfigSplit config = {
+        .size = sizeof config,
+        .magic = MP_NCCL_CONFIG_MAGIC,
+        .version = MP_NCCL_SPLIT_VERSION,
+        .blocking = 1,
+        .cgaClusterSize = MP_NCCL_CONFIG_UNDEF_INT,
+        .minCTAs = MP_NCCL_CONFIG_UNDEF_INT,
+        .maxCTAs = MP_NCCL_CONFIG_UNDEF_INT,
+        .netName = NULL, /* NCCL_CONFIG_UNDEF_PTR */
+        .splitShare = 1,
+    };
+    for (int l = 0; l < cfg->nlanes; l++) {
+        lane_t *lane = &n->lanes[l];
+        /* NCCL stores the child into lane->comm when the split's job ends (src/init.cc:
+         * ncclCommInitRankFunc), which an abort of the parent waits for; nccl_release aborts a child
+         * that arrives after the abort took the lanes' communicators. */
+        lane->root = lane->comm;
+        lane->comm = NULL;
+        mp_ncclResult_t r = n->nccl->CommSplit(lane->root, 0, cfg->rank, &lane->comm, &config);
+        if (r == MP_NCCL_IN_PROGRESS || r == MP_NCCL_SUCCESS)
+            r = nccl_settle(n, lane->root, deadline, 0);
+        if (r == MP_NCCL_SUCCESS && !lane->comm)
+            r = MP_NCCL_INTERNAL_ERROR;
+        if (r != MP_NCCL_SUCCESS) {
+            snprintf(err, errlen, r == MP_NCCL_TIMEOUT ? "lane %d: not every rank split the NCCL communicator in "
+                                                         "time: %s"
+                                                       : "lane %d: splitting the NCCL communicator failed: %s",
+                     l, nccl_error(n, lane->root, r).text);
+            return nccl_cause_of(r);
+        }
+    }
+    return MP_OK;
+}
+
 static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadline, char *err, size_t errlen)
 {
     mp_ncclConfigPrefix config = {
@@ -357,7 +416,7 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
             return nccl_cause_of(r);
         }
     }
-    return MP_OK;
+    return split_data_comms(n, cfg, deadline, err, errlen);
 }
 
 /* Whether NCCL_COMM_BLOCKING makes NCCL's communicators blocking: NCCL lets it override the config
@@ -398,6 +457,7 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     n->global_rank = cfg->global_rank;
     pthread_mutex_init(&n->issue, NULL);
     pthread_mutex_init(&n->lock, NULL);
+    pthread_cond_init(&n->launched, NULL);
     double deadline = mp_now() + cfg->timeout;
     n->interrupt = cfg->interrupt;
     mp_result res = open_device(n, cfg, err, errlen);

@@ -87,33 +87,62 @@ static fence *graph_fence(nccl_t *n, unsigned long long capture, mp_CUresult *r)
     return f;
 }
 
-/* ---- the real NCCL calls ------------------------------------------------------------------ */
+/* ---- the real NCCL calls, on one lane's communicator ------------------------------------- */
 
-static mp_ncclResult_t real_group_start(void *ctx) { return ((nccl_t *)ctx)->nccl->GroupStart(); }
+typedef struct {
+    nccl_t *n;
+    mp_ncclComm_t comm;
+    mp_CUstream stream;
+} issuing;
+
+static mp_ncclResult_t real_group_start(void *ctx) { return ((issuing *)ctx)->n->nccl->GroupStart(); }
 
 static mp_ncclResult_t real_group_end(void *ctx, int lane)
 {
-    nccl_t *n = ctx;
-    mp_ncclResult_t r = n->nccl->GroupEnd();
-    /* The launch may finish asynchronously; the lane's event must be recorded after it. */
-    return r == MP_NCCL_IN_PROGRESS ? nccl_settle(n, n->lanes[lane].comm, mp_now() + n->timeout, 1) : r;
+    (void)lane;
+    return ((issuing *)ctx)->n->nccl->GroupEnd();
 }
 
 static mp_ncclResult_t real_send(void *ctx, const mp_op *op, size_t count, mp_ncclDataType_t type)
 {
-    nccl_t *n = ctx;
-    lane_t *lane = &n->lanes[op->lane];
-    return n->nccl->Send(op->buf, count, type, op->peer, lane->comm, lane->stream);
+    issuing *i = ctx;
+    return i->n->nccl->Send(op->buf, count, type, op->peer, i->comm, i->stream);
 }
 
 static mp_ncclResult_t real_recv(void *ctx, const mp_op *op, size_t count, mp_ncclDataType_t type)
 {
-    nccl_t *n = ctx;
-    lane_t *lane = &n->lanes[op->lane];
-    return n->nccl->Recv(op->buf, count, type, op->peer, lane->comm, lane->stream);
+    issuing *i = ctx;
+    return i->n->nccl->Recv(op->buf, count, type, op->peer, i->comm, i->stream);
 }
 
 static const mp_nccl_calls real_calls = {real_group_start, real_group_end, real_send, real_recv};
+
+static mp_ncclResult_t issue_step(issuing *i, const void *step)
+{
+    return mp_nccl_issue(&real_calls, i, step, i->n->nccl->version);
+}
+
+/* Runs `group` (one NCCL group on lane `l`) with the lock released: a blocking launch waits for
+ * any peer it connects to, and an abort, the watchdog and progress must not wait behind it. The
+ * issue lock, held, keeps every other poster out; the lane's communicator is not aborted before
+ * the launch returns (nccl_reaper.c). A nonblocking communicator's launch is settled here.
+ * Lock and issue lock held, and held again on return; MP_NCCL_ABORTED if an abort came meanwhile. */
+static mp_ncclResult_t launch_locked(nccl_t *n, int l, mp_ncclResult_t (*group)(issuing *, const void *),
+                                     const void *arg)
+{
+    issuing i = {n, n->lanes[l].comm, n->lanes[l].stream};
+    n->launching = 1;
+    n->launch_lane = l;
+    n->launch_began = mp_now();
+    pthread_mutex_unlock(&n->lock);
+    mp_ncclResult_t r = group(&i, arg);
+    if (r == MP_NCCL_IN_PROGRESS) /* NCCL's thread launches it */
+        r = nccl_settle(n, i.comm, mp_now() + n->timeout, 1);
+    pthread_mutex_lock(&n->lock);
+    n->launching = 0;
+    pthread_cond_broadcast(&n->launched);
+    return n->cause != MP_OK ? MP_NCCL_ABORTED : r;
+}
 
 /* ---- debug matching: a step's descriptors, exchanged and compared before its data ---------- */
 
@@ -141,6 +170,27 @@ static mp_CUresult reserve_check(nccl_t *n, int nops)
     return c;
 }
 
+typedef struct {
+    const mp_step *step;
+    mp_CUdeviceptr out, in;
+} descriptors;
+
+/* One group: every send's descriptor out, every receive's in, in the step's order. */
+static mp_ncclResult_t issue_descriptors(issuing *i, const void *arg)
+{
+    const descriptors *d = arg;
+    const size_t size = sizeof(mp_check_desc);
+    mp_ncclResult_t r = i->n->nccl->GroupStart();
+    for (int k = 0; r == MP_NCCL_SUCCESS && k < d->step->nops; k++) {
+        const mp_op *op = d->step->ops[k];
+        void *at = (void *)(uintptr_t)((op->kind == MP_SEND ? d->out : d->in) + (mp_CUdeviceptr)k * size);
+        r = op->kind == MP_SEND ? i->n->nccl->Send(at, size, MP_NCCL_UINT8, op->peer, i->comm, i->stream)
+                                : i->n->nccl->Recv(at, size, MP_NCCL_UINT8, op->peer, i->comm, i->stream);
+    }
+    mp_ncclResult_t end = i->n->nccl->GroupEnd(); /* always: a group must be closed */
+    return r != MP_NCCL_SUCCESS ? r : end;
+}
+
 /* Every send of the step sends its descriptor and every receive takes one, as one group on the
  * step's lane; the host waits for them and compares. Only then may the data's group be issued:
  * NCCL has no way to stop data already launched. Lock and issue lock held. */
@@ -163,20 +213,10 @@ static mp_result check_step(nccl_t *n, const mp_step *step, char *detail, size_t
         snprintf(detail, len, "debug matching could not copy its descriptors: %s", nccl_cu_error(n, c));
         return MP_ERR_SYSTEM;
     }
-    mp_ncclResult_t r = n->nccl->GroupStart();
-    for (int i = 0; r == MP_NCCL_SUCCESS && i < step->nops; i++) {
-        const mp_op *op = step->ops[i];
-        mp_CUdeviceptr at = (op->kind == MP_SEND ? dev_out : dev_in) + (mp_CUdeviceptr)i * size;
-        r = op->kind == MP_SEND ? n->nccl->Send((void *)(uintptr_t)at, size, MP_NCCL_UINT8, op->peer, lane->comm,
-                                                lane->stream)
-                                : n->nccl->Recv((void *)(uintptr_t)at, size, MP_NCCL_UINT8, op->peer, lane->comm,
-                                                lane->stream);
-    }
-    mp_ncclResult_t end = real_group_end(n, step->lane);
-    if (end == MP_NCCL_ABORTED)
+    descriptors d = {step, dev_out, dev_in};
+    mp_ncclResult_t r = launch_locked(n, step->lane, issue_descriptors, &d);
+    if (r == MP_NCCL_ABORTED)
         return n->cause;
-    if (r == MP_NCCL_SUCCESS)
-        r = end;
     if (r != MP_NCCL_SUCCESS) {
         snprintf(detail, len, "debug matching: NCCL failed to issue the descriptors on lane %d: %.180s", step->lane,
                  nccl_error(n, lane->comm, r).text);
@@ -281,7 +321,7 @@ mp_result nccl_post(mp_transport *t, mp_step *step)
             return MP_OK;
         }
     }
-    mp_ncclResult_t r = mp_nccl_issue(&real_calls, n, step, n->nccl->version);
+    mp_ncclResult_t r = launch_locked(n, l, issue_step, step);
     nccl_leave(n, saved);
     if (r != MP_NCCL_SUCCESS && r != MP_NCCL_ABORTED) {
         char detail[256];

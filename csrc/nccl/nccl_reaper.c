@@ -18,8 +18,9 @@ struct nccl_reaper {
     const mp_nccl_lib *nccl;
     const mp_cuda_lib *cu;
     mp_CUcontext ctx;         /* made current on the reaper's thread; retained by the transport */
-    mp_ncclComm_t comms[2];
-    int ncomms;
+    nccl_t *transport;        /* whose launch the lane communicators' abort waits for */
+    mp_ncclComm_t roots[2], comms[2];
+    int nroots, ncomms;
     pthread_mutex_t lock;
     pthread_cond_t finished;
     int done;                 /* every ncclCommAbort has returned */
@@ -39,12 +40,30 @@ static void reaper_put(struct nccl_reaper *r)
     free(r);
 }
 
-static void abort_comms(struct nccl_reaper *r)
+/* The parents first: their abort flag, which their children share, ends a launch stuck connecting
+ * to a peer. The lane communicators only once no launch is inside them: NCCL's abort is safe only
+ * with no other thread calling into the communicator (user guide, "Fault Tolerance"). `held`: the
+ * caller holds the transport's lock (the inline path of nccl_reap_start). */
+static void abort_lanes(const struct nccl_reaper *r, int held)
 {
     if (r->ctx)
         r->cu->CtxSetCurrent(r->ctx); /* this thread's own: nothing to restore */
+    for (int i = 0; i < r->nroots; i++)
+        r->nccl->CommAbort(r->roots[i]);
+    nccl_t *n = r->transport; /* alive: it is released only once this abort is done, or by the reaper */
+    if (!held)
+        pthread_mutex_lock(&n->lock);
+    while (n->launching)
+        pthread_cond_wait(&n->launched, &n->lock);
+    if (!held)
+        pthread_mutex_unlock(&n->lock);
     for (int i = 0; i < r->ncomms; i++)
         r->nccl->CommAbort(r->comms[i]);
+}
+
+static void abort_comms(struct nccl_reaper *r, int held)
+{
+    abort_lanes(r, held);
     pthread_mutex_lock(&r->lock);
     r->done = 1;
     nccl_t *owner = r->owner;
@@ -58,7 +77,7 @@ static void *reaper_main(void *arg)
 {
     struct nccl_reaper *r = arg;
     pthread_setname_np(pthread_self(), "mp2p-ncclabort"); /* what a stack dump or `top -H` shows */
-    abort_comms(r);
+    abort_comms(r, 0);
     reaper_put(r);
     return NULL;
 }
@@ -67,22 +86,21 @@ static void *reaper_main(void *arg)
  * abort. Lock held; returns at once. Without memory or a thread, it aborts here, unbounded. */
 void nccl_reap_start(nccl_t *n)
 {
+    struct nccl_reaper local = {.nccl = n->nccl, .cu = n->cu, .ctx = n->ctx, .transport = n};
+    for (int l = 0; l < n->base.nlanes; l++) {
+        if (n->lanes[l].root)
+            local.roots[local.nroots++] = n->lanes[l].root;
+        if (n->lanes[l].comm)
+            local.comms[local.ncomms++] = n->lanes[l].comm;
+        n->lanes[l].root = n->lanes[l].comm = NULL;
+    }
     struct nccl_reaper *r = calloc(1, sizeof *r);
-    mp_ncclComm_t comms[2];
-    int ncomms = 0;
-    for (int l = 0; l < n->base.nlanes; l++)
-        if (n->lanes[l].comm) {
-            comms[ncomms++] = n->lanes[l].comm;
-            n->lanes[l].comm = NULL;
-        }
     if (!r) {
-        for (int i = 0; i < ncomms; i++)
-            n->nccl->CommAbort(comms[i]);
+        abort_lanes(&local, 1);
         return;
     }
-    *r = (struct nccl_reaper){.nccl = n->nccl, .cu = n->cu, .ctx = n->ctx, .ncomms = ncomms, .refs = 2};
-    for (int i = 0; i < ncomms; i++)
-        r->comms[i] = comms[i];
+    *r = local;
+    r->refs = 2;
     pthread_mutex_init(&r->lock, NULL);
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
@@ -97,7 +115,7 @@ void nccl_reap_start(nccl_t *n)
     int started = pthread_create(&thread, &detached, reaper_main, r) == 0;
     pthread_attr_destroy(&detached);
     if (!started) {
-        abort_comms(r);
+        abort_comms(r, 1);
         r->refs = 1;
     }
 }

@@ -12,9 +12,12 @@
  *   - nonblocking communicators answer ncclInProgress from init and from ncclGroupEnd with work:
  *     the group is launched on a thread of its own, and the ncclCommGetAsyncError that reads
  *     ncclSuccess joins that thread (a blocking communicator's group launches on the caller's
- *     thread). NCCL does so for every such group; the model, unless MPFAKE_NCCL_GROUP_THREAD=1,
- *     only for the groups MPFAKE_NCCL_GROUP_IN_PROGRESS_* delays, and launches the others on the
- *     caller's thread, answering their result;
+ *     thread), for every such group, as NCCL (MPFAKE_NCCL_GROUP_THREAD=0 keeps only the groups
+ *     MPFAKE_NCCL_GROUP_IN_PROGRESS_* delays on threads);
+ *   - a launch connects the pairs of ranks its group is the first to use, waiting for the peer's
+ *     launch to reach the same connection, until the communicator is aborted;
+ *   - ncclCommSplit makes a child in the parent's mode, sharing the parent's abort flag and
+ *     connections with splitShare;
  *   - ncclCommAbort unblocks the communicator's stuck work, never waits for peers, joins a group
  *     thread still running, waits until every CUDA graph that captured work on the communicator
  *     is destroyed, and ends the communicator: any later call on it fails;
@@ -34,8 +37,9 @@
  *
  * Options and fault injection (environment, read at ncclCommInitRankConfig):
  *   MPFAKE_NCCL_INIT_IN_PROGRESS_MS=N  nonblocking init stays in progress a random 0..N ms (default 20)
- *   MPFAKE_NCCL_GROUP_THREAD=1         every nonblocking ncclGroupEnd with work starts a thread and answers
- *                                      ncclInProgress, as NCCL's does (default 0: only the delayed ones below)
+ *   MPFAKE_NCCL_GROUP_THREAD=0         a nonblocking ncclGroupEnd with work launches on the caller's thread
+ *                                      unless delayed below (default 1: every one starts a thread and answers
+ *                                      ncclInProgress, as NCCL's does)
  *   MPFAKE_NCCL_GROUP_IN_PROGRESS_MS=N a nonblocking group's thread waits a random 0..N ms before it
  *                                      launches, every other group at random (default 5; 0: never)
  *   MPFAKE_NCCL_DELAY_MS=N             each kernel waits N ms before it starts (slow kernels)
@@ -45,7 +49,9 @@
  *                                      as when NCCL's progress thread fails (src/proxy.cc:
  *                                      ncclProxyProgress stores the result and logs it at INFO only)
  *   MPFAKE_NCCL_SILENT_RANK=R          rank R of every communicator never posts its ops ...
- *   MPFAKE_NCCL_SILENT_AFTER=N         ... after its first N (default 0) on that communicator
+ *   MPFAKE_NCCL_SILENT_AFTER=N         ... after its first N (default 0) on that communicator (the ops of
+ *                                      children split with splitShare count with their parent's, as the
+ *                                      options' other counts do)
  *   MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER=N  ... only after a communicator's first N groups (default 0)
  *   MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY=1  ... for every group, for exactly N ms
  *   MPFAKE_NCCL_SEED=S                 seed of the random in-progress durations (default: pid)
@@ -134,6 +140,7 @@ typedef struct {
     _Atomic int error_claimed; /* by the rank that writes error_text */
     _Atomic int error;         /* the first mismatch: an async error on every rank */
     char error_text[256];
+    _Atomic int connecting[MAX_RANKS][MAX_RANKS]; /* [a][b]: a has reached its connect to b */
     channel ch[];              /* [src * nranks + dst] */
 } segment;
 
@@ -163,6 +170,21 @@ typedef struct ncclComm {
     size_t seg_bytes;
     _Atomic int state;         /* ncclInProgress while initialising or launching, else its result */
     _Atomic int aborted;
+    /* The flag that ends its stuck work: its own `aborted`, or, for a child split with splitShare,
+     * its parent's (src/init.cc: ncclCommInitChildComm, childComm->abortFlag = comm->abortFlag).
+     * Comm structs are never freed, so the pointer stays valid. */
+    _Atomic int *abort_flag;
+    /* A child whose init is running, reached by this communicator's abort (the parent's
+     * childAbortFlag, set by ncclCommInitChildComm and cleared when the child's init ends). */
+    struct ncclComm *_Atomic init_child;
+    /* Whose connections it uses: itself, or its parent's for a shared split (src/channel.cc:
+     * initChannel takes channel->peers from comm->sharedRes->peers, by parent rank). */
+    struct ncclComm *conns;
+    uint64_t connected;        /* bit per peer whose connection exists (conns' own, under lib_lock) */
+    int children;              /* splits made from it, which name the children */
+    _Atomic int in_call;       /* threads inside a call on it now */
+    /* The fault options count the ops of a communicator and of the children sharing its resources
+     * together (kept by `conns`), so that a count means the same with or without a split. */
     _Atomic int injected;      /* an injected async error, once raised */
     _Atomic long ops_done;
     long ops_issued;           /* ops whose kernel has started, under lib_lock, as the two below */
@@ -439,7 +461,7 @@ static ncclResult_t join(comm_t *c)
     if (atomic_fetch_add(&s->attached, 1) + 1 == c->nranks)
         shm_unlink(c->name);
     for (unsigned spins = 0; atomic_load(&s->attached) < c->nranks; spins++) {
-        if (atomic_load(&c->aborted))
+        if (atomic_load(c->abort_flag))
             return ncclInvalidUsage;
         pause_for(spins);
     }
@@ -456,6 +478,77 @@ static void *init_main(void *arg)
     return NULL;
 }
 
+/* NCCL_COMM_BLOCKING, when it reads 0 or 1, overrides the config's blocking field (src/init.cc:
+ * envConfigOverride, NCCL_PARAM(CommBlocking)) of every communicator, split ones too; NCCL reads
+ * it once per process, the model at each init. So does NCCL_COMM_SPLIT_SHARE_RESOURCES for
+ * splitShare (NCCL_PARAM(CommSplitShareResources)). */
+static int env_override(const char *name, int value)
+{
+    const char *v = getenv(name);
+    char *end;
+    long long forced = v && v[0] ? strtoll(v, &end, 0) : -1;
+    return forced >= 0 && !*end && (forced == 0 || forced == 1) ? (int)forced : value;
+}
+
+/* The fields of ncclConfig_t the model reads: its prefix through splitShare (nccl.h). */
+typedef struct {
+    size_t size;
+    unsigned magic, version;
+    int blocking;
+    int cgaClusterSize, minCTAs, maxCTAs;
+    const char *netName;
+    int splitShare;
+} config_t;
+#define CONFIG_UNDEF_INT (-2147483647 - 1)
+
+/* Reads `config` over the defaults in *blocking and *share; 0, or -1 for a config NCCL refuses. */
+static int read_config(const void *config, const char *call, int *blocking, int *share)
+{
+    if (config) {
+        const config_t *c = config;
+        if (c->magic != CONFIG_MAGIC || c->size < offsetof(config_t, cgaClusterSize)) {
+            log_warning("%s: config was not made by NCCL_CONFIG_INITIALIZER", call);
+            return -1;
+        }
+        if (c->blocking != CONFIG_UNDEF_INT)
+            *blocking = c->blocking != 0;
+        if (c->size >= sizeof(config_t) && c->splitShare != CONFIG_UNDEF_INT)
+            *share = c->splitShare != 0;
+    }
+    *blocking = env_override("NCCL_COMM_BLOCKING", *blocking);
+    *share = env_override("NCCL_COMM_SPLIT_SHARE_RESOURCES", *share);
+    return 0;
+}
+
+static comm_t *new_comm(int rank, int nranks, int blocking, CUcontext ctx, const char *name)
+{
+    comm_t *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->alive = 1;
+    c->rank = rank;
+    c->nranks = nranks;
+    c->blocking = blocking;
+    c->ctx = ctx;
+    c->abort_flag = &c->aborted;
+    c->conns = c;
+    snprintf(c->name, sizeof c->name, "%s", name);
+    c->f.init_in_progress_ms = (int)env_long("MPFAKE_NCCL_INIT_IN_PROGRESS_MS", 20);
+    c->f.group_in_progress_ms = (int)env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_MS", 5);
+    c->f.group_in_progress_after = env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER", 0);
+    c->f.group_in_progress_every = env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY", 0) != 0;
+    c->f.delay_ms = (int)env_long("MPFAKE_NCCL_DELAY_MS", 0);
+    c->f.async_error_after = env_long("MPFAKE_NCCL_ASYNC_ERROR_AFTER", -1);
+    c->f.async_error_code = (int)env_long("MPFAKE_NCCL_ASYNC_ERROR_CODE", ncclRemoteError);
+    c->f.async_error_quiet = env_long("MPFAKE_NCCL_ASYNC_ERROR_QUIET", 0) != 0;
+    c->f.silent_rank = (int)env_long("MPFAKE_NCCL_SILENT_RANK", -1);
+    c->f.silent_after = env_long("MPFAKE_NCCL_SILENT_AFTER", 0);
+    c->f.group_thread = env_long("MPFAKE_NCCL_GROUP_THREAD", 1) != 0;
+    c->f.eager_bytes = env_long("MPFAKE_NCCL_EAGER_BYTES", 0);
+    c->f.launch_order = (int)env_long("MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT", 0);
+    return c;
+}
+
 ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, int rank, void *config)
 {
     if (!out)
@@ -470,54 +563,17 @@ ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, i
         log_warning("ncclCommInitRankConfig: the unique id did not come from ncclGetUniqueId");
         return ncclInvalidArgument;
     }
-    int blocking = 1;
-    if (config) {
-        const struct {
-            size_t size;
-            unsigned magic, version;
-            int blocking;
-        } *prefix = config;
-        if (prefix->magic != CONFIG_MAGIC || prefix->size < sizeof *prefix) {
-            log_warning("ncclCommInitRankConfig: config was not made by NCCL_CONFIG_INITIALIZER");
-            return ncclInvalidArgument;
-        }
-        blocking = prefix->blocking != 0;
-    }
-    /* NCCL_COMM_BLOCKING, when it reads 0 or 1, overrides the config's blocking field (src/init.cc:
-     * envConfigOverride, NCCL_PARAM(CommBlocking)); NCCL reads it once per process, the model at each
-     * init. */
-    const char *blocking_env = getenv("NCCL_COMM_BLOCKING");
-    char *blocking_end;
-    long long forced = blocking_env && blocking_env[0] ? strtoll(blocking_env, &blocking_end, 0) : -1;
-    if (forced >= 0 && !*blocking_end && (forced == 0 || forced == 1))
-        blocking = (int)forced;
+    int blocking = 1, share = 0;
+    if (read_config(config, "ncclCommInitRankConfig", &blocking, &share) < 0)
+        return ncclInvalidArgument;
     CUcontext ctx = mpfake_current_context();
     if (!ctx) {
         log_warning("ncclCommInitRankConfig: no current CUDA context on this thread");
         return ncclUnhandledCudaError;
     }
-    comm_t *c = calloc(1, sizeof *c);
+    comm_t *c = new_comm(rank, nranks, blocking, ctx, id.internal + sizeof ID_MAGIC);
     if (!c)
         return ncclSystemError;
-    c->alive = 1;
-    c->rank = rank;
-    c->nranks = nranks;
-    c->blocking = blocking;
-    c->ctx = ctx;
-    snprintf(c->name, sizeof c->name, "%s", id.internal + sizeof ID_MAGIC);
-    c->f.init_in_progress_ms = (int)env_long("MPFAKE_NCCL_INIT_IN_PROGRESS_MS", 20);
-    c->f.group_in_progress_ms = (int)env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_MS", 5);
-    c->f.group_in_progress_after = env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_AFTER", 0);
-    c->f.group_in_progress_every = env_long("MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY", 0) != 0;
-    c->f.delay_ms = (int)env_long("MPFAKE_NCCL_DELAY_MS", 0);
-    c->f.async_error_after = env_long("MPFAKE_NCCL_ASYNC_ERROR_AFTER", -1);
-    c->f.async_error_code = (int)env_long("MPFAKE_NCCL_ASYNC_ERROR_CODE", ncclRemoteError);
-    c->f.async_error_quiet = env_long("MPFAKE_NCCL_ASYNC_ERROR_QUIET", 0) != 0;
-    c->f.silent_rank = (int)env_long("MPFAKE_NCCL_SILENT_RANK", -1);
-    c->f.silent_after = env_long("MPFAKE_NCCL_SILENT_AFTER", 0);
-    c->f.group_thread = env_long("MPFAKE_NCCL_GROUP_THREAD", 0) != 0;
-    c->f.eager_bytes = env_long("MPFAKE_NCCL_EAGER_BYTES", 0);
-    c->f.launch_order = (int)env_long("MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT", 0);
     *out = c;
     if (blocking) {
         ncclResult_t r = join(c);
@@ -533,6 +589,86 @@ ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, i
     return ncclInProgress;
 }
 
+/* ---- split ------------------------------------------------------------------------------------
+ * src/init.cc: ncclCommSplit runs ncclCommInitChildComm inside a group, as an async job launched
+ * in the PARENT's mode (src/group.cc: ncclAsyncLaunch sets ncclGroupBlocking from the parent's
+ * config): for a nonblocking parent on a thread, the parent reading ncclInProgress meanwhile and
+ * ncclCommSplit answering ncclInProgress; the child comes out of the job (ncclCommInitRankFunc's
+ * exit stores it into *newcomm), with the blocking mode of its own config (NULL: the parent's,
+ * copyCommConfig). With splitShare the child shares the parent's abort flag and connections;
+ * without, the parent's abort reaches the child only while its init runs (childAbortFlag). The
+ * model splits into one child of all the parent's ranks, in the parent's order (color equal on
+ * every rank, key = rank), which is what a duplicate is; NCCL_SPLIT_NOCOLOR makes none. */
+typedef struct {
+    comm_t *parent, *child, **out;
+} split_job;
+
+static void *split_main(void *arg)
+{
+    split_job *j = arg;
+    comm_t *p = j->parent, *c = j->child;
+    ncclResult_t r = join(c);
+    atomic_store(&c->state, r);
+    atomic_store(&p->init_child, NULL);
+    if (r == ncclSuccess)
+        atomic_store(j->out, c);
+    atomic_store(&p->state, r);
+    free(j);
+    return NULL;
+}
+
+ncclResult_t ncclCommSplit(comm_t *comm, int color, int key, comm_t **newcomm, void *config)
+{
+    if (!newcomm) {
+        log_warning("ncclCommSplit: newcomm is NULL");
+        return ncclInvalidArgument;
+    }
+    *newcomm = NULL;
+    ncclResult_t r = usable(comm, "ncclCommSplit");
+    if (r != ncclSuccess)
+        return r;
+    if (color == -1) /* NCCL_SPLIT_NOCOLOR */
+        return ncclSuccess;
+    if (key != comm->rank) {
+        log_warning("ncclCommSplit: the model splits only with key = rank (a duplicate of the communicator)");
+        return ncclInvalidArgument;
+    }
+    int blocking = comm->blocking, share = 0;
+    if (read_config(config, "ncclCommSplit", &blocking, &share) < 0)
+        return ncclInvalidArgument;
+    char name[sizeof comm->name];
+    snprintf(name, sizeof name, "%.100s-split%d", comm->name, ++comm->children);
+    comm_t *c = new_comm(comm->rank, comm->nranks, blocking, comm->ctx, name);
+    split_job *j = malloc(sizeof *j);
+    if (!c || !j) {
+        free(c);
+        free(j);
+        return ncclSystemError;
+    }
+    if (share) {
+        c->abort_flag = comm->abort_flag;
+        c->conns = comm->conns;
+    } else {
+        atomic_store(&comm->init_child, c);
+    }
+    c->f.init_in_progress_ms = 0;
+    *j = (split_job){comm, c, newcomm};
+    atomic_store(&c->state, ncclInProgress);
+    if (comm->blocking) {
+        split_main(j);
+        return (ncclResult_t)atomic_load(&comm->state);
+    }
+    atomic_store(&comm->state, ncclInProgress);
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, split_main, j) != 0) {
+        free(j);
+        atomic_store(&comm->state, ncclSystemError);
+        return ncclSystemError;
+    }
+    pthread_detach(thread);
+    return ncclInProgress;
+}
+
 /* ---- kernels --------------------------------------------------------------------------------- */
 
 static channel *chan(comm_t *c, int src, int dst) { return &c->seg->ch[src * c->nranks + dst]; }
@@ -540,13 +676,13 @@ static channel *chan(comm_t *c, int src, int dst) { return &c->seg->ch[src * c->
 /* A kernel that can no longer progress: it stalls, as a GPU kernel would, until aborted. */
 static int stalled(comm_t *c)
 {
-    return atomic_load(&c->seg->error) || atomic_load(&c->injected);
+    return atomic_load(&c->seg->error) || atomic_load(&c->conns->injected);
 }
 
 static void count_done(comm_t *c)
 {
-    long done = atomic_fetch_add(&c->ops_done, 1) + 1;
-    if (c->f.async_error_after >= 0 && done >= c->f.async_error_after && !atomic_exchange(&c->injected, 1) &&
+    long done = atomic_fetch_add(&c->conns->ops_done, 1) + 1;
+    if (c->f.async_error_after >= 0 && done >= c->f.async_error_after && !atomic_exchange(&c->conns->injected, 1) &&
         !c->f.async_error_quiet)
         log_warning("injected asynchronous error %d after %ld ops on rank %d", c->f.async_error_code, done,
                     c->rank);
@@ -695,8 +831,8 @@ static void number_ops(const task_t *t, op_run *st)
     for (int i = 0; i < t->nops; i++) {
         const op_t *o = &t->ops[i];
         st[i].seq = o->send ? c->send_seq[o->peer]++ : c->recv_seq[o->peer]++;
-        st[i].silent = c->rank == c->f.silent_rank && c->ops_issued >= c->f.silent_after;
-        c->ops_issued++;
+        st[i].silent = c->rank == c->f.silent_rank && c->conns->ops_issued >= c->f.silent_after;
+        c->conns->ops_issued++;
     }
     pthread_mutex_unlock(&lib_lock);
 }
@@ -705,7 +841,7 @@ static void number_ops(const task_t *t, op_run *st)
 static void run_ops(const task_t *t)
 {
     comm_t *c = t->comm;
-    if (atomic_load(&c->aborted))
+    if (atomic_load(c->abort_flag))
         return;
     if (c->f.delay_ms > 0)
         sleep_ms(c->f.delay_ms);
@@ -717,7 +853,7 @@ static void run_ops(const task_t *t)
     }
     number_ops(t, run);
     int left = t->nops;
-    for (unsigned spins = 0; left > 0 && !atomic_load(&c->aborted); spins++) {
+    for (unsigned spins = 0; left > 0 && !atomic_load(c->abort_flag); spins++) {
         int moved = 0;
         for (int i = 0; i < t->nops && !stalled(c); i++) {
             const op_t *o = &t->ops[i];
@@ -950,9 +1086,59 @@ static ncclResult_t check_self_sends(const launch_t *l)
     return ncclSuccess;
 }
 
+/* ---- connections ------------------------------------------------------------------------------
+ * NCCL connects a pair of ranks the first time a group has work between them: the launch runs the
+ * p2p setup (src/group.cc: groupLaunch -> asyncJobLaunch of the preconnect jobs; src/transport.cc:
+ * ncclTransportP2pSetup), which trades connect info with the peer over the bootstrap network and
+ * waits for the peer's (bootstrapRecv). So the launch, on the caller's thread for a blocking
+ * communicator, waits until the peer's launch reaches its side of that connection. Only the abort
+ * flag ends the wait (src/bootstrap.cc: checkAbort, src/misc/socket.cc: both answer
+ * ncclInternalError once it is set). The model: each rank flags the pairs it reaches, in the
+ * segment of the communicator that owns the connections, and waits for the peer's flag. */
+static int connected_to(comm_t *c, int peer)
+{
+    pthread_mutex_lock(&lib_lock);
+    int known = peer == c->rank || (c->conns->connected >> peer & 1);
+    pthread_mutex_unlock(&lib_lock);
+    return known;
+}
+
+/* Every new pair's side first, then the peers' (ncclTransportP2pSetup sends each peer's connect
+ * info before it receives any), so that ranks connecting in a ring do not wait on one another. */
+static ncclResult_t connect_peers(const launch_t *l)
+{
+    for (int pass = 0; pass < 2; pass++)
+        for (int k = 0; k < l->ntasks; k++) {
+            const task_t *t = l->tasks[k];
+            comm_t *c = t->comm, *owner = c->conns;
+            for (int i = 0; i < t->nops; i++) {
+                int peer = t->ops[i].peer;
+                if (connected_to(c, peer))
+                    continue;
+                if (pass == 0) {
+                    atomic_store(&owner->seg->connecting[c->rank][peer], 1);
+                    continue;
+                }
+                for (unsigned spins = 0; !atomic_load(&owner->seg->connecting[peer][c->rank]); spins++) {
+                    if (atomic_load(c->abort_flag)) {
+                        log_warning("connecting rank %d to rank %d: the communicator was aborted", c->rank, peer);
+                        return ncclInternalError;
+                    }
+                    pause_for(spins);
+                }
+                pthread_mutex_lock(&lib_lock);
+                owner->connected |= 1ull << peer;
+                pthread_mutex_unlock(&lib_lock);
+            }
+        }
+    return ncclSuccess;
+}
+
 static ncclResult_t launch_group(launch_t *l)
 {
     ncclResult_t r = check_self_sends(l);
+    if (r == ncclSuccess)
+        r = connect_peers(l);
     return r != ncclSuccess ? r : launch(l);
 }
 
@@ -976,6 +1162,10 @@ static _Atomic long group_threads;
 
 /* For tests and benchmarks: the group threads this process has started. */
 long mpfake_nccl_group_threads(void) { return atomic_load(&group_threads); }
+
+/* For tests: the aborts that broke NCCL's condition for a safe abort (see ncclCommAbort). */
+static _Atomic long unsafe_aborts;
+long mpfake_nccl_unsafe_aborts(void) { return atomic_load(&unsafe_aborts); }
 
 static void *group_main(void *arg)
 {
@@ -1098,13 +1288,22 @@ static ncclResult_t close_group(void)
         l->tasks[k]->ops[l->tasks[k]->nops++] = ops[i];
     }
     comm_t *first = l->tasks[0]->comm;
-    int eligible = nonblocking && first->groups++ >= first->f.group_in_progress_after;
+    int eligible = nonblocking && first->conns->groups++ >= first->f.group_in_progress_after;
     int delay = !eligible ? 0
                 : first->f.group_in_progress_every ? first->f.group_in_progress_ms
                 : random_below(1) ? random_below(first->f.group_in_progress_ms) : 0;
     if (!nonblocking || (delay <= 0 && !first->f.group_thread)) { /* see MPFAKE_NCCL_GROUP_THREAD */
+        for (int k = 0; k < l->ntasks; k++)
+            atomic_fetch_add(&l->tasks[k]->comm->in_call, 1);
+        int ntasks = l->ntasks;
+        comm_t **comms = calloc((size_t)(unsigned)ntasks, sizeof *comms);
+        for (int k = 0; comms && k < ntasks; k++)
+            comms[k] = l->tasks[k]->comm; /* launch() hands the tasks on */
         ncclResult_t r = launch_group(l);
         free_launch(l);
+        for (int k = 0; comms && k < ntasks; k++)
+            atomic_fetch_sub(&comms[k]->in_call, 1);
+        free(comms);
         return r;
     }
     return start_group_thread(l, delay);
@@ -1138,19 +1337,42 @@ static ncclResult_t post_op(int is_send, const void *buf, size_t count, int type
     return r;
 }
 
+/* Marks a call on `c` for ncclCommAbort's check of its condition. */
+static void enter_call(comm_t *c, int by)
+{
+    if (c)
+        atomic_fetch_add(&c->in_call, by);
+}
+
 ncclResult_t ncclSend(const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
 {
-    return post_op(1, buf, count, type, peer, comm, stream);
+    enter_call(comm, 1);
+    ncclResult_t r = post_op(1, buf, count, type, peer, comm, stream);
+    enter_call(comm, -1);
+    return r;
 }
 
 ncclResult_t ncclRecv(void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
 {
-    return post_op(0, buf, count, type, peer, comm, stream);
+    enter_call(comm, 1);
+    ncclResult_t r = post_op(0, buf, count, type, peer, comm, stream);
+    enter_call(comm, -1);
+    return r;
 }
 
 /* ---- state, abort ------------------------------------------------------------------------------ */
 
+static ncclResult_t get_async_error(comm_t *comm, ncclResult_t *error);
+
 ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
+{
+    enter_call(comm, 1);
+    ncclResult_t r = get_async_error(comm, error);
+    enter_call(comm, -1);
+    return r;
+}
+
+static ncclResult_t get_async_error(comm_t *comm, ncclResult_t *error)
 {
     if (!comm || !error) { /* src/misc/argcheck.cc: CommCheck, PtrCheck warn and refuse a NULL */
         log_warning("ncclCommGetAsyncError: %s is NULL", comm ? "asyncError" : "comm");
@@ -1170,7 +1392,7 @@ ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
          * which would overwrite later, unrelated warnings. */
         if (!atomic_exchange(&comm->mismatch_logged, 1))
             log_warning("%s", comm->seg->error_text);
-    } else if (state == ncclSuccess && atomic_load(&comm->injected)) {
+    } else if (state == ncclSuccess && atomic_load(&comm->conns->injected)) {
         state = comm->f.async_error_code;
     }
     *error = (ncclResult_t)state;
@@ -1191,8 +1413,17 @@ ncclResult_t ncclCommAbort(comm_t *comm)
         log_warning("ncclCommAbort on a communicator that was already aborted");
         return ncclInvalidUsage;
     }
+    /* The user guide's condition for a safe abort ("Fault Tolerance": no thread may be calling any
+     * NCCL operation on the communicator meanwhile): broken here, it is counted and logged. */
+    if (atomic_load(&comm->in_call) > 0) {
+        atomic_fetch_add(&unsafe_aborts, 1);
+        log_warning("ncclCommAbort while another thread is inside a call on the communicator (rank %d)", comm->rank);
+    }
     comm->alive = 0;
-    atomic_store(&comm->aborted, 1);
+    atomic_store(comm->abort_flag, 1);
+    comm_t *child = atomic_load(&comm->init_child);
+    if (child) /* src/init.cc: setCommAbortFlags sets childAbortFlag too */
+        atomic_store(child->abort_flag, 1);
     pthread_mutex_lock(&lib_lock);
     if (comm->job)
         atomic_store(&comm->job->aborted, 1); /* an unlaunched group dies with its communicator */

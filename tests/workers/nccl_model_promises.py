@@ -225,7 +225,7 @@ out["abort_with_graph_result"] = aborting["box"].get("r")
 # NCCL 2.30: src/group.cc ncclGroupEndInternal (the nonblocking branch starts the thread; the
 # blocking branch launches on the caller's); src/init.cc ncclCommGetAsyncError joins it.
 os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_MS"] = "0"
-os.environ["MPFAKE_NCCL_GROUP_THREAD"] = "1"  # as NCCL; without it only delayed groups take a thread
+os.environ.pop("MPFAKE_NCCL_GROUP_THREAD", None)  # the default, as NCCL: a thread per group
 nonblocking_comm, blocking_comm, s = new_comm(blocking=False), new_comm(), new_stream()
 settled(nonblocking_comm)
 answers, threads = [], []
@@ -272,8 +272,8 @@ del os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY"]
 os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_MS"] = "0"
 out["send_after_group_settled"] = group([(1, src, 0, nonblocking_comm, s), (0, dst, 0, nonblocking_comm, s)])
 assert nccl.ncclCommAbort(nonblocking_comm) == 0
-del os.environ["MPFAKE_NCCL_GROUP_THREAD"]
-undelayed = new_comm(blocking=False)  # the model's default: an undelayed group launches on the caller
+os.environ["MPFAKE_NCCL_GROUP_THREAD"] = "0"
+undelayed = new_comm(blocking=False)  # the option: an undelayed group launches on the caller
 settled(undelayed)
 before = nccl.mpfake_nccl_group_threads()
 assert nccl.ncclGroupStart() == 0
@@ -281,12 +281,30 @@ nccl.ncclSend(src, 8, 1, 0, undelayed, s)
 nccl.ncclRecv(dst, 8, 1, 0, undelayed, s)
 out["undelayed_group_end_without_group_thread"] = nccl.ncclGroupEnd(), nccl.mpfake_nccl_group_threads() - before
 assert nccl.ncclCommAbort(undelayed) == 0
+del os.environ["MPFAKE_NCCL_GROUP_THREAD"]
 
 
 # ---- a small send may complete before its receive (MPFAKE_NCCL_EAGER_BYTES) -------------------------
 # NCCL 2.30: the send primitive needs only a free step of the connection's buffer
 # (src/device/prims_simple.h waitPeer); the connection exists once the peer took part
 # (src/transport.cc ncclTransportP2pSetup).
+def both_ranks(fn, contexts: list) -> list:
+    """fn(rank) on one thread per rank, each with its rank's context current."""
+    results = [None, None]
+
+    def run(r: int) -> None:
+        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+        results[r] = fn(r)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert cuda.cuCtxSetCurrent(ctx) == 0
+    return results
+
+
 def two_ranks(env: dict) -> list:
     os.environ.update(env)
     the_uid = UniqueId()
@@ -310,7 +328,8 @@ def buffered(eager: str, sizes: list) -> dict:
     c0, c1 = two_ranks({"MPFAKE_NCCL_EAGER_BYTES": eager})
     s0, s1 = new_stream(), new_stream()
     one, got = (ctypes.c_uint8 * 1)(7), (ctypes.c_uint8 * 1)()
-    assert group([(1, one, 1, c0, s0)]) == 0 and group([(0, got, 0, c1, s1)]) == 0  # the connection
+    # the connection, made by both ranks at once
+    assert both_ranks(lambda r: group([(1 - r, (one, got)[r], 1 - r, (c0, c1)[r], (s0, s1)[r])]), [ctx, ctx]) == [0, 0]
     assert cuda.cuStreamSynchronize(s0) == 0 and cuda.cuStreamSynchronize(s1) == 0
     sent = [(ctypes.c_uint8 * n)(*((k * 31 + i) % 251 for i in range(n))) for k, n in enumerate(sizes)]
     for buf in sent:
@@ -355,6 +374,10 @@ def opposite_orders(mode: str) -> dict:
     del os.environ["MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT"]
     for c in a + b:
         assert settled(c) == 0
+    for which in (0, 1):  # connected first, both ranks at once, as a job's warm-up does
+        both_ranks(lambda r: group([(1, (ctypes.c_uint8 * 1)(), 1 - r, (a, b)[which][r], streams[r][which]),
+                                    (0, (ctypes.c_uint8 * 1)(), 1 - r, (a, b)[which][r], streams[r][which])]),
+                   contexts)
     bufs = [(ctypes.c_uint8 * 64)() for _ in range(8)]
     for r, order in ((0, (0, 1)), (1, (1, 0))):
         assert cuda.cuCtxSetCurrent(contexts[r]) == 0
@@ -378,6 +401,104 @@ def opposite_orders(mode: str) -> dict:
     return {"completed": completed, "ended_after_abort": ended}
 
 
+# ---- ncclCommSplit, and a blocking launch that connects ------------------------------------------
+# NCCL 2.30: src/init.cc ncclCommSplit runs ncclCommInitChildComm as an async job in the parent's
+# mode (src/group.cc ncclAsyncLaunch); with splitShare the child shares the parent's abort flag
+# (ncclCommInitChildComm) and connections (src/channel.cc initChannel). A launch connects a new pair
+# of ranks and waits for the peer's side (src/transport.cc ncclTransportP2pSetup), ended only by the
+# abort flag (src/bootstrap.cc checkAbort). The user guide's "Fault Tolerance" allows an abort only
+# with no other thread inside a call on the communicator.
+class SplitConfig(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
+                ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p), ("splitShare", ctypes.c_int)]
+
+
+UNDEF = -2147483648
+nccl.ncclCommSplit.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p), ctypes.c_void_p]
+nccl.mpfake_nccl_unsafe_aborts.restype = ctypes.c_long
+
+
+def split(parent: p, rank: int, share: int) -> tuple[int, int, p]:
+    """(ncclCommSplit's answer, the parent's state right after it, the child once settled)."""
+    child = p()
+    config = SplitConfig(ctypes.sizeof(SplitConfig), 0xcafebeef, 21800, 1, UNDEF, UNDEF, UNDEF, None, share)
+    answer = nccl.ncclCommSplit(parent, 0, rank, ctypes.byref(child), ctypes.byref(config))
+    state = async_state(parent)
+    assert settled(parent) == 0
+    return answer, state, child
+
+
+def connecting_pair(share: int) -> dict:
+    uid2 = UniqueId()
+    assert nccl.ncclGetUniqueId(ctypes.byref(uid2)) == 0
+    contexts, streams, parents = [ctx, ctx1], [], []
+    for r in range(2):
+        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+        parents.append(new_comm(2, r, uid2, blocking=False))
+        streams.append(new_stream())
+    for c in parents:
+        assert settled(c) == 0
+    answers = both_ranks(lambda r: split(parents[r], r, share), contexts)
+    children = [a[2] for a in answers]
+    result = {"split_answer": answers[0][0], "parent_during_split": answers[0][1],
+              "child_delivered": all(c.value for c in children)}
+    # Rank 0 launches a send to rank 1, which has not reached the connection: the launch waits.
+    box = {}
+    buf = (ctypes.c_uint8 * 8)(*range(8))
+    before_threads = nccl.mpfake_nccl_group_threads()
+
+    def launch() -> None:
+        assert cuda.cuCtxSetCurrent(ctx) == 0
+        box["r"] = group([(1, buf, 1, children[0], streams[0])])
+        box["at"] = time.monotonic()
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    time.sleep(0.3)
+    result["launch_waits_for_the_peer"] = "r" not in box
+    unsafe_before = nccl.mpfake_nccl_unsafe_aborts()
+    assert cuda.cuCtxSetCurrent(ctx) == 0
+    aborted_at = time.monotonic()
+    assert nccl.ncclCommAbort(parents[0]) == 0
+    thread.join(0.5)
+    result["parent_abort_ends_the_launch"] = "r" in box
+    if "r" not in box:  # not shared: only the child's own abort reaches it
+        assert nccl.ncclCommAbort(children[0]) == 0
+        thread.join(5)
+    result["launch_result"] = box.get("r")
+    result["ended_after_s"] = box.get("at", float("inf")) - aborted_at
+    result["unsafe_aborts"] = nccl.mpfake_nccl_unsafe_aborts() - unsafe_before
+    result["group_threads"] = nccl.mpfake_nccl_group_threads() - before_threads
+    return result
+
+
+def connected_pair() -> dict:
+    """Both ranks launch their side: the blocking child's launch connects, delivers, starts no thread."""
+    uid3 = UniqueId()
+    assert nccl.ncclGetUniqueId(ctypes.byref(uid3)) == 0
+    contexts, streams, parents = [ctx, ctx1], [], []
+    for r in range(2):
+        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+        parents.append(new_comm(2, r, uid3, blocking=False))
+        streams.append(new_stream())
+    for c in parents:
+        assert settled(c) == 0
+    children = [a[2] for a in both_ranks(lambda r: split(parents[r], r, 1), contexts)]
+    bufs = [(ctypes.c_uint8 * 8)(*range(8)), (ctypes.c_uint8 * 8)()]
+    before = nccl.mpfake_nccl_group_threads()
+    answers = both_ranks(lambda r: group([(1 - r, bufs[r], 1 - r, children[r], streams[r])]), contexts)
+    threads = nccl.mpfake_nccl_group_threads() - before
+    both_ranks(lambda r: cuda.cuStreamSynchronize(streams[r]), contexts)
+    for c in children + parents:
+        assert nccl.ncclCommAbort(c) == 0
+    return {"answers": answers, "group_threads": threads, "bytes": list(bufs[1])}
+
+
+os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_MS"] = "0"
+out["split_shared"] = connecting_pair(1)
+out["split_unshared"] = connecting_pair(0)
+out["split_connected"] = connected_pair()
 out["launch_order_none"] = opposite_orders("0")
 out["launch_order_serial"] = opposite_orders("1")
 out["launch_order_launch"] = opposite_orders("2")
