@@ -387,10 +387,12 @@ int shm_cycle_fence(const shm_view *v, const shm_cycle *c, const pid_t *pids)
         if (atomic_load(&shm_rank_at(v, c->edges[i].rank)->fence))
             goto unlock; /* reported already; its fence fails the rest */
     uint32_t value = SHM_REPORTS + 1; /* every report area used: the ranks fail without one */
-    if (h->reports_used < SHM_REPORTS) {
-        char *area = shm_report_at(v, h->reports_used);
-        format_report(v, c, pids, area, SHM_REPORT_BYTES);
-        value = ++h->reports_used;
+    uint32_t used = atomic_load_explicit(&h->reports_used, memory_order_relaxed); /* only the lock holder writes it */
+    if (used < SHM_REPORTS) {
+        format_report(v, c, pids, shm_report_at(v, used), SHM_REPORT_BYTES);
+        value = used + 1;
+        /* Release: a rank that reads the count, or a fence naming the report, then reads the text. */
+        atomic_store_explicit(&h->reports_used, value, memory_order_release);
     }
     uint32_t count = 0;
     for (int i = 0; i < c->n; i++) {

@@ -79,12 +79,13 @@ typedef struct {
     uint32_t recv_label;
 } shm_slot;
 
-/* A receive buffer in the receiver's arena, offered to the sender of message seq - 1. */
+/* A receive buffer in the receiver's arena, offered to the sender of message seq - 1. Rewritten
+ * under a version: seq is cleared first and written last (see shm_answer()). */
 typedef struct {
-    _Atomic uint64_t seq; /* written last; 0: none yet */
-    uint64_t offset;
-    uint64_t nbytes;
-    int32_t dtype;
+    _Atomic uint64_t seq; /* 0: none, or being rewritten */
+    _Atomic uint64_t offset;
+    _Atomic uint64_t nbytes;
+    _Atomic int32_t dtype;
     int32_t reserved;
 } shm_offer;
 
@@ -119,7 +120,7 @@ typedef struct {
     char abort_why[240];           /* the aborting rank's reason, when it gave one */
     _Atomic uint32_t fenced;       /* ranks fenced as deadlocked: engines look closer when nonzero */
     _Atomic uint32_t detect_lock;  /* 1 + the rank writing a deadlock report, or 0 */
-    uint32_t reports_used;         /* guarded by detect_lock */
+    _Atomic uint32_t reports_used; /* written under detect_lock; read by anyone (a fence names a report) */
 } shm_header;
 
 typedef struct {

@@ -128,7 +128,7 @@ static void watch_round(shm_t *s, const mp_op *op, shm_cycle **seen)
     if (corrupt[0])
         shm_found_corrupt(s, "%s", corrupt);
     shm_header *h = shm_hdr(&s->v);
-    uint32_t lock = atomic_load(&h->detect_lock), used = __atomic_load_n(&h->reports_used, __ATOMIC_ACQUIRE);
+    uint32_t lock = atomic_load(&h->detect_lock), used = atomic_load_explicit(&h->reports_used, memory_order_acquire);
     if (cycle && (lock > (uint32_t)s->base.size || used > SHM_REPORTS)) {
         shm_found_corrupt(s, "detect_lock = %u, reports_used = %u", lock, used);
         shm_cycle_free(cycle);

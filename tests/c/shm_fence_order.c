@@ -75,7 +75,7 @@ static void fence_rank0(const shm_view *v)
     shm_header *h = shm_hdr(v);
     atomic_store(&h->detect_lock, 1);
     snprintf(shm_report_at(v, 0), SHM_REPORT_BYTES, "deadlock: ranks 0 -> 1 -> 0 (written by shm_fence_order)");
-    h->reports_used = 1;
+    atomic_store(&h->reports_used, 1);
     atomic_store(&shm_rank_at(v, 0)->fence, 1);
 }
 
