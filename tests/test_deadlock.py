@@ -91,6 +91,29 @@ def test_waiting_on_a_peer_that_waits_on_a_computing_peer_is_not_reported(cases)
         assert cases[rank]["busy_chain"]["type"] is None, (rank, cases[rank]["busy_chain"])
 
 
+def test_a_cycle_behind_a_40_op_group_is_reported_within_a_second(cases):
+    """Rank 0's group of 40 ops holds 20 receives from a computing rank (which make no edge) before
+    the 20 sends to rank 1 that close the cycle: a blocked rank publishes its pending ops as runs
+    (alike ops of one group with following seqs; at most 16 runs), so the sends are seen too."""
+    for rank in (0, 1):
+        res = cases[rank]["behind_batch"]
+        assert res["type"] == "DeadlockError" and res["elapsed"] < DETECTION_LIMIT, (rank, res)
+        msg = res["msg"]
+        assert "deadlock: ranks 0 -> 1 -> 0" in msg, msg
+        assert "is blocked on isend to rank 1: 4096 bytes of float32, lane 0, message #0, posted by forward_batch" \
+            in msg, msg
+        assert "is blocked on isend to rank 0: 4096 bytes of float32, lane 0, message #0, posted by send_first" in msg
+
+
+def test_a_40_op_group_waiting_on_a_computing_rank_completes_unreported(cases):
+    """The same group on rank 0, with rank 1's receives queued behind a receive from the computing
+    rank: a chain, no cycle; everything arrives once rank 2 sends."""
+    for rank in (0, 1, 2):
+        res = cases[rank]["batch_waits"]
+        assert res["type"] is None and res["exact"], (rank, res)
+    assert cases[0]["batch_waits"]["elapsed"] > 0.5  # it did wait, blocked, for the computing rank
+
+
 @pytest.fixture(scope="module")
 def fence_order(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/c/shm_fence_order.c, built by the Makefile's rule into a directory of this test's own."""
