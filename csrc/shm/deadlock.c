@@ -87,7 +87,10 @@ static rank_view *view_of(graph *g, int r)
         return rv;
     shm_watch *w = shm_watch_at(g->v, r);
     uint32_t before = atomic_load_explicit(&w->version, memory_order_acquire);
-    if (before & 1)
+    /* Odd: being rewritten. 0: never published; the segment's zeros (epoch 0, as the rank's own
+     * wait_epoch before its first watched wait, nops 0, wait_index 0) describe no wait, and a
+     * garbage `waiting` must not have them read as an impossible one. */
+    if ((before & 1) || before == 0)
         return rv;
     memcpy(&rv->snap, (const char *)w, sizeof rv->snap);
     atomic_thread_fence(memory_order_acquire);
