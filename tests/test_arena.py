@@ -72,6 +72,17 @@ def test_more_arena_receives_in_flight_than_offer_slots_all_arrive_exactly(recei
     assert burst["paths"] == {"arena": 12}
 
 
+def test_receives_outstanding_past_the_offer_slots_while_more_are_posted_all_arrive_exactly(receiver):
+    """Groups of 10 arena receives, then a window of 12 posted while earlier ones complete
+    (workers/arena_cases.py offers_in_flight): two receives answer into one offer slot, from the
+    posting thread and the engine's, and no message lands in another receive's buffer. An offer
+    a later receive replaced before its sender read it sends that message by single copy."""
+    d = receiver["delivery"]["offers_in_flight"]
+    assert d["in_arena"] == d["exact"] == 120, d
+    assert sum(d["paths"].values()) == 120 and set(d["paths"]) <= {"arena", "single_copy"}, d
+    assert d["paths"]["arena"] >= 60, d
+
+
 def test_each_rank_offers_its_own_arena_whatever_its_peer_has(ranks):
     """Rank 0 has no arena, rank 1 has one: rank 1's buffer is written by rank 0 into its
     arena; rank 0's comm.empty is plain memory, received by single copy."""

@@ -2,7 +2,8 @@
 DeadlockError on exactly the ranks of the cycle, within a second, whatever the timeout (60 s
 here), naming every rank and op of the cycle. Ranks that compute, or wait on a busy peer, are
 never reported. One 4-rank job runs every case (tests/workers/deadlock_cases.py); a C program
-(tests/c/shm_fence_order.c) stages a cycle's fencing by hand, which no job can do on purpose."""
+(tests/c/shm_fence_order.c) stages a cycle's fencing by hand, and a peer's garbage `waiting` count,
+which no job can do on purpose."""
 import subprocess
 from pathlib import Path
 
@@ -91,6 +92,29 @@ def test_waiting_on_a_peer_that_waits_on_a_computing_peer_is_not_reported(cases)
         assert cases[rank]["busy_chain"]["type"] is None, (rank, cases[rank]["busy_chain"])
 
 
+def test_a_cycle_behind_a_40_op_group_is_reported_within_a_second(cases):
+    """Rank 0's group of 40 ops holds 20 receives from a computing rank (which make no edge) before
+    the 20 sends to rank 1 that close the cycle: a blocked rank publishes its pending ops as runs
+    (alike ops of one group with following seqs; at most 16 runs), so the sends are seen too."""
+    for rank in (0, 1):
+        res = cases[rank]["behind_batch"]
+        assert res["type"] == "DeadlockError" and res["elapsed"] < DETECTION_LIMIT, (rank, res)
+        msg = res["msg"]
+        assert "deadlock: ranks 0 -> 1 -> 0" in msg, msg
+        assert "is blocked on isend to rank 1: 4096 bytes of float32, lane 0, message #0, posted by forward_batch" \
+            in msg, msg
+        assert "is blocked on isend to rank 0: 4096 bytes of float32, lane 0, message #0, posted by send_first" in msg
+
+
+def test_a_40_op_group_waiting_on_a_computing_rank_completes_unreported(cases):
+    """The same group on rank 0, with rank 1's receives queued behind a receive from the computing
+    rank: a chain, no cycle; everything arrives once rank 2 sends."""
+    for rank in (0, 1, 2):
+        res = cases[rank]["batch_waits"]
+        assert res["type"] is None and res["exact"], (rank, res)
+    assert cases[0]["batch_waits"]["elapsed"] > 0.5  # it did wait, blocked, for the computing rank
+
+
 @pytest.fixture(scope="module")
 def fence_order(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/c/shm_fence_order.c, built by the Makefile's rule into a directory of this test's own."""
@@ -102,9 +126,9 @@ def fence_order(tmp_path_factory: pytest.TempPathFactory) -> Path:
 ROUNDS = 20  # each on a new communicator: whether a close finds a failed step still on its lane is timing
 
 
-def fence_order_says(binary: Path, case: str) -> str:
-    """The program's line for `case` over ROUNDS rounds, once it exited 0 (every round as expected)."""
-    proc = subprocess.run([str(binary), case, str(ROUNDS)], capture_output=True, text=True, timeout=120)
+def fence_order_says(binary: Path, case: str, rounds: int = ROUNDS) -> str:
+    """The program's line for `case` over `rounds` rounds, once it exited 0 (every round as expected)."""
+    proc = subprocess.run([str(binary), case, str(rounds)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -128,3 +152,13 @@ def test_a_deadlock_verdict_outlives_an_abort_that_follows_it(fence_order: Path)
     rank the abort may reach unfenced."""
     said = fence_order_says(fence_order, "abort_after")
     assert said.startswith("abort_after: deadlock after "), said
+
+
+def test_a_peer_that_never_waited_is_not_read_as_a_published_wait_whatever_its_waiting_count(fence_order: Path) -> None:
+    """A `waiting` count a peer overwrote (here 1, a value a valid state holds) on a rank that
+    never published a wait leaves that rank's wait area all zeros, which describe no wait: the
+    search finds no cycle and reports nothing corrupt, and rank 1's wait times out. It once read
+    the zeros as a wait whose wait_index (0) is past its nops (0), a report naming neither field
+    the peer overwrote (test_hostile_peer.py's flake). One round is deterministic; three for luck."""
+    said = fence_order_says(fence_order, "unpublished", rounds=3)
+    assert said.startswith("unpublished: wait timed out after ") and "not aborted" in said, said

@@ -37,12 +37,14 @@ def run(binary: Path, *args: str) -> Run:
 def test_every_message_arrives_exact_across_ranks_threads_and_copy_paths(stress: Path) -> None:
     """A fixed plan (its seed and rounds), so what it covers is fixed too: inline, single-copy,
     bounce-buffer and arena messages, self exchanges, mismatches both sides report, and ranks that
-    dawdle while their peers block (the deadlock detector must not call that a deadlock)."""
+    dawdle while their peers block (the deadlock detector must not call that a deadlock), and
+    bursts of 10 arena receives per channel in one step, more than its 8 offer slots, with more
+    posted behind them (burst_arena: those that landed in the arena, each checked)."""
     r = run(stress, "-r", "4", "-n", "250", "-s", "1")
     assert r.returncode == 0, r.errors[-6000:]
     s = r.summary
     assert s["failures"] == 0 and s["messages"] > 2000, s
-    for covered in ("inline", "single_copy", "bounce", "arena", "self", "mismatched", "dawdles"):
+    for covered in ("inline", "single_copy", "bounce", "arena", "burst_arena", "self", "mismatched", "dawdles"):
         assert s[covered] > 0, (covered, s)
 
 

@@ -10,21 +10,32 @@
 #include "core/op.h"
 
 /* Graph nodes: per rank, the head step of each lane, and the rank's wait (which must return
- * before the rank posts anything new). */
+ * before the rank posts anything new). A published run leads to at most two nodes of its peer:
+ * its first blocked op's, and that of its first op the peer has not issued a partner for. */
 #define NODE_KINDS 3
 #define NODE_WAIT 2
+#define MAX_EDGES (2 * SHM_WATCH_OPS)
 
 typedef struct {
     int state; /* 0: not read yet, 1: blocked with a consistent snapshot, 2: not usable */
     shm_watch snap;
 } rank_view;
 
+/* One way a node waits on another: op `seq` of run `via` of the node's rank needs `to` to move. */
+typedef struct {
+    int to;
+    int via;
+    uint64_t seq;
+    int partner_issued;
+    uint64_t partner_count; /* the partner kind's ops the peer has issued on the channel */
+} edge;
+
 typedef struct {
     int rank;
     int node_kind;     /* lane, or NODE_WAIT */
     int next;          /* the rank it waits for */
     uint32_t epoch;
-    shm_watch_op op;   /* the op that needs `next` */
+    shm_watch_op op;   /* the op that needs `next` (a run of one) */
     int partner_issued;
     uint64_t partner_count; /* the partner kind's ops `next` has issued on the channel */
 } cycle_edge;
@@ -39,8 +50,7 @@ typedef struct {
     uint64_t eager;
     rank_view *views;
     int *nedges;       /* -1: not computed */
-    int *to;           /* [node][SHM_WATCH_OPS] */
-    int *via;          /* op index in the rank's snapshot */
+    edge *edges;       /* [node][MAX_EDGES] */
     char *corrupt;     /* the first impossible value read, for the caller to report */
     size_t corrupt_len;
 } graph;
@@ -77,7 +87,10 @@ static rank_view *view_of(graph *g, int r)
         return rv;
     shm_watch *w = shm_watch_at(g->v, r);
     uint32_t before = atomic_load_explicit(&w->version, memory_order_acquire);
-    if (before & 1)
+    /* Odd: being rewritten. 0: never published; the segment's zeros (epoch 0, as the rank's own
+     * wait_epoch before its first watched wait, nops 0, wait_index 0) describe no wait, and a
+     * garbage `waiting` must not have them read as an impossible one. */
+    if ((before & 1) || before == 0)
         return rv;
     memcpy(&rv->snap, (const char *)w, sizeof rv->snap);
     atomic_thread_fence(memory_order_acquire);
@@ -94,11 +107,17 @@ static rank_view *view_of(graph *g, int r)
     }
     for (uint32_t i = 0; i < s->nops; i++) {
         const shm_watch_op *o = &s->ops[i];
-        if ((o->kind != MP_SEND && o->kind != MP_RECV) || o->peer < 0 || o->peer >= g->v->size || o->lane < 0 ||
-            o->lane >= g->v->nlanes || o->dtype < 0 || o->dtype >= MP_NUM_DTYPES || o->label < 0 ||
-            o->label >= MP_NUM_LABELS) {
-            found_corrupt(g, "rank %d's published op #%u: kind %d, peer %d, lane %d, dtype %d, label %d", r, i,
-                          o->kind, o->peer, o->lane, o->dtype, o->label);
+        int valid = (o->kind == MP_SEND || o->kind == MP_RECV) && o->peer >= 0 && o->peer < g->v->size &&
+                    o->lane >= 0 && o->lane < g->v->nlanes && o->dtype >= 0 && o->dtype < MP_NUM_DTYPES &&
+                    o->label >= 0 && o->label < MP_NUM_LABELS;
+        /* Every published op was issued: the run ends within what rank r has issued on its channel. */
+        uint64_t issued = !valid              ? 0
+                        : o->kind == MP_SEND ? atomic_load(&chan(g->v, o->lane, r, o->peer)->send_issued)
+                                             : atomic_load(&chan(g->v, o->lane, o->peer, r)->recv_issued);
+        if (!valid || o->count == 0 || o->seq > issued || o->count > issued - o->seq) {
+            found_corrupt(g, "rank %d's published op #%u: kind %d, peer %d, lane %d, dtype %d, label %d, seq %llu, "
+                          "count %u (%llu issued)", r, i, o->kind, o->peer, o->lane, o->dtype, o->label,
+                          (unsigned long long)o->seq, o->count, (unsigned long long)issued);
             return rv;
         }
         s->ops[i].call[sizeof s->ops[i].call - 1] = '\0';
@@ -110,9 +129,10 @@ static rank_view *view_of(graph *g, int r)
 /* A channel's counters, read in the order they are written: finished <= made active (or
  * published) <= issued. Returns 0 and reports when they are not. */
 static int counters_valid(graph *g, const char *what, int lane, int src, int dst, _Atomic uint64_t *done,
-                          _Atomic uint64_t *active, _Atomic uint64_t *issued)
+                          _Atomic uint64_t *active, _Atomic uint64_t *issued, uint64_t out[3])
 {
     uint64_t d = atomic_load(done), a = atomic_load(active), i = atomic_load(issued);
+    out[0] = d, out[1] = a, out[2] = i;
     if (d <= a && a <= i)
         return 1;
     found_corrupt(g, "channel (lane %d, %d->%d): %llu done, %llu %s, %llu issued", lane, src, dst,
@@ -120,56 +140,62 @@ static int counters_valid(graph *g, const char *what, int lane, int src, int dst
     return 0;
 }
 
-static int op_complete(const graph *g, int r, const shm_watch_op *o)
+static uint64_t add_sat(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+static uint64_t run_last(const shm_watch_op *o) { return o->seq + o->count - 1; } /* checked in view_of */
+
+/* The seq below which rank r's messages on the channel of run `o` are complete, live. */
+static uint64_t completed_below(const graph *g, int r, const shm_watch_op *o)
 {
     if (o->kind == MP_SEND) {
         shm_chan *ch = chan(g->v, o->lane, r, o->peer);
-        if (is_eager(g, o) && atomic_load(&ch->posted) > o->seq)
-            return 1;
-        return atomic_load(&ch->done) > o->seq;
+        uint64_t done = atomic_load(&ch->done);
+        return is_eager(g, o) ? max_u64(atomic_load(&ch->posted), done) : done;
     }
-    return atomic_load(&chan(g->v, o->lane, o->peer, r)->done) > o->seq;
+    return atomic_load(&chan(g->v, o->lane, o->peer, r)->done);
 }
 
-/* Where an incomplete op of rank r waits: -1 when its partner is posted (it progresses) or
- * nothing is known of the peer, else the peer's node that must move first. */
-static int blocker(graph *g, int r, const shm_watch_op *o, int *issued, uint64_t *count)
+/* The edges of ops first..last of rank r's run `via` (all incomplete): the peer's node that its
+ * first op without a posted partner waits on, and its wait node if a later op's partner is not
+ * even issued. None when every op's partner is posted (they progress), or nothing is known of
+ * the peer. Per channel, each of these turns at one seq; `out` gets 0, 1 or 2 edges. */
+static int run_edges(graph *g, int r, int via, uint64_t first, uint64_t last, edge *out)
 {
+    const shm_watch_op *o = &g->views[r].snap.ops[via];
     int p = o->peer;
     if (p == r)
-        return -1; /* self pairs share a group and complete together */
-    uint64_t need = o->seq;
-    int active;
+        return 0; /* self pairs share a group and complete together */
+    uint64_t c[3]; /* done, active or published, issued */
+    uint64_t active, issued, count; /* below `active` an op's partner is posted; below `issued`, issued */
     if (o->kind == MP_SEND) {
         shm_chan *ch = chan(g->v, o->lane, r, p);
-        if (!counters_valid(g, "receive(s) active", o->lane, r, p, &ch->done, &ch->recv_posted, &ch->recv_issued))
-            return -1;
-        if (is_eager(g, o)) {
-            /* A buffered send waits only for a free descriptor slot: receive seq - SHM_NSLOTS done. */
-            if (o->seq < SHM_NSLOTS || atomic_load(&ch->done) > o->seq - SHM_NSLOTS)
-                return -1;
-            need = o->seq - SHM_NSLOTS;
-            active = 0;
-        } else {
-            active = atomic_load(&ch->recv_posted) > need;
-        }
-        *count = atomic_load(&ch->recv_issued);
+        if (!counters_valid(g, "receive(s) active", o->lane, r, p, &ch->done, &ch->recv_posted, &ch->recv_issued, c))
+            return 0;
+        count = c[2];
+        /* A buffered send waits only for a free descriptor slot: receive seq - SHM_NSLOTS done. */
+        active = is_eager(g, o) ? add_sat(c[0], SHM_NSLOTS) : c[1];
+        issued = is_eager(g, o) ? add_sat(c[2], SHM_NSLOTS) : c[2];
     } else {
         shm_chan *ch = chan(g->v, o->lane, p, r);
-        if (!counters_valid(g, "published", o->lane, p, r, &ch->done, &ch->posted, &ch->send_issued))
-            return -1;
-        active = atomic_load(&ch->posted) > need;
-        *count = atomic_load(&ch->send_issued);
+        if (!counters_valid(g, "published", o->lane, p, r, &ch->done, &ch->posted, &ch->send_issued, c))
+            return 0;
+        count = c[2];
+        active = c[1];
+        issued = c[2];
     }
-    if (active)
-        return -1;
-    *issued = *count > need;
-    if (view_of(g, p)->state != 1)
-        return -1; /* the peer is computing, or moving: it may still post */
-    return p * NODE_KINDS + (*issued ? o->lane : NODE_WAIT);
+    uint64_t blocked = max_u64(first, active);
+    if (blocked > last || view_of(g, p)->state != 1)
+        return 0; /* progressing; or the peer is computing, or moving: it may still post */
+    int n = 0;
+    if (blocked < issued)
+        out[n++] = (edge){p * NODE_KINDS + o->lane, via, blocked, 1, count};
+    if (last >= issued)
+        out[n++] = (edge){p * NODE_KINDS + NODE_WAIT, via, max_u64(blocked, issued), 0, count};
+    return n;
 }
 
-/* The incomplete ops of rank r's head step on `lane`, as indices into its snapshot. */
+/* The runs of rank r's head step on `lane` with an op still incomplete, as indices into its
+ * snapshot. */
 static int head_ops(graph *g, int r, int lane, int *out)
 {
     const shm_watch *s = &g->views[r].snap;
@@ -177,7 +203,7 @@ static int head_ops(graph *g, int r, int lane, int *out)
     int64_t head = -1;
     for (uint32_t i = 0; i < s->nops; i++) {
         const shm_watch_op *o = &s->ops[i];
-        if (o->lane != lane || (head >= 0 && (int64_t)o->step != head) || op_complete(g, r, o))
+        if (o->lane != lane || (head >= 0 && (int64_t)o->step != head) || completed_below(g, r, o) > run_last(o))
             continue;
         head = (int64_t)o->step;
         out[n++] = (int)i;
@@ -188,7 +214,7 @@ static int head_ops(graph *g, int r, int lane, int *out)
 static void compute_edges(graph *g, int node)
 {
     int r = node / NODE_KINDS, kind = node % NODE_KINDS;
-    int *to = &g->to[(size_t)node * SHM_WATCH_OPS], *via = &g->via[(size_t)node * SHM_WATCH_OPS];
+    edge *out = &g->edges[(size_t)node * MAX_EDGES];
     g->nedges[node] = 0;
     rank_view *rv = view_of(g, r);
     if (rv->state != 1)
@@ -199,29 +225,19 @@ static void compute_edges(graph *g, int node)
         if (s->wait_index == -2)
             return; /* several threads wait: any of them may return and post */
         ndeps = head_ops(g, r, s->wait_lane, deps);
-        if (s->wait_index >= 0) {
-            const shm_watch_op *x = &s->ops[s->wait_index];
-            if (op_complete(g, r, x))
-                return;
-            for (int i = 0; i < ndeps; i++)
-                if (deps[i] == s->wait_index) {
-                    deps[0] = s->wait_index; /* in the head step it needs only its own partner */
-                    ndeps = 1;
-                    break;
-                }
-        }
+        /* The wait returns once the waited op's group completes, all its ops together: it needs
+         * every op of the lane's head step, unless that step lies past the waited op's (whose
+         * group is then complete). */
+        if (s->wait_index >= 0 && ndeps > 0 && s->ops[deps[0]].step > s->ops[s->wait_index].step)
+            return;
     } else {
         ndeps = head_ops(g, r, kind, deps);
     }
     for (int i = 0; i < ndeps; i++) {
-        int issued = 0;
-        uint64_t count = 0;
-        int target = blocker(g, r, &s->ops[deps[i]], &issued, &count);
-        if (target < 0)
-            continue;
-        to[g->nedges[node]] = target;
-        via[g->nedges[node]] = deps[i];
-        g->nedges[node]++;
+        const shm_watch_op *o = &s->ops[deps[i]];
+        uint64_t first = max_u64(o->seq, completed_below(g, r, o));
+        if (first <= run_last(o))
+            g->nedges[node] += run_edges(g, r, deps[i], first, run_last(o), &out[g->nedges[node]]);
     }
 }
 
@@ -235,16 +251,17 @@ static shm_cycle *make_cycle(graph *g, const int *stack, const int *next_edge, i
     c->n = n;
     for (int i = 0; i < n; i++) {
         int node = stack[from + i];
-        size_t e = (size_t)node * SHM_WATCH_OPS + (size_t)(next_edge[node] - 1);
+        const edge *e = &g->edges[(size_t)node * MAX_EDGES + (size_t)(next_edge[node] - 1)];
         cycle_edge *ce = &c->edges[i];
         ce->rank = node / NODE_KINDS;
         ce->node_kind = node % NODE_KINDS;
         ce->epoch = g->views[ce->rank].snap.epoch;
-        ce->op = g->views[ce->rank].snap.ops[g->via[e]];
-        ce->next = g->to[e] / NODE_KINDS;
-        ce->partner_issued = 0;
-        ce->partner_count = 0;
-        blocker(g, ce->rank, &ce->op, &ce->partner_issued, &ce->partner_count);
+        ce->op = g->views[ce->rank].snap.ops[e->via];
+        ce->op.seq = e->seq;
+        ce->op.count = 1;
+        ce->next = e->to / NODE_KINDS;
+        ce->partner_issued = e->partner_issued;
+        ce->partner_count = e->partner_count;
     }
     /* Start at the lowest rank, so that every rank words one cycle alike. */
     int first = 0;
@@ -269,13 +286,12 @@ shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold, c
         corrupt[0] = '\0';
     g.views = calloc((size_t)v->size, sizeof *g.views);
     g.nedges = malloc(nodes * sizeof(int));
-    g.to = malloc(nodes * SHM_WATCH_OPS * sizeof(int));
-    g.via = malloc(nodes * SHM_WATCH_OPS * sizeof(int));
+    g.edges = malloc(nodes * MAX_EDGES * sizeof(edge));
     int *color = calloc(nodes, sizeof(int));
     int *next_edge = calloc(nodes, sizeof(int));
     int *stack = malloc(nodes * sizeof(int));
     shm_cycle *found = NULL;
-    if (!g.views || !g.nedges || !g.to || !g.via || !color || !next_edge || !stack)
+    if (!g.views || !g.nedges || !g.edges || !color || !next_edge || !stack)
         goto done;
     for (size_t i = 0; i < nodes; i++)
         g.nedges[i] = -1;
@@ -292,7 +308,7 @@ shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold, c
             top--;
             continue;
         }
-        int target = g.to[(size_t)node * SHM_WATCH_OPS + next_edge[node]++];
+        int target = g.edges[(size_t)node * MAX_EDGES + next_edge[node]++].to;
         if (color[target] == 0) {
             color[target] = 1;
             stack[++top] = target;
@@ -310,8 +326,7 @@ done:
     }
     free(g.views);
     free(g.nedges);
-    free(g.to);
-    free(g.via);
+    free(g.edges);
     free(color);
     free(next_edge);
     free(stack);
@@ -387,10 +402,12 @@ int shm_cycle_fence(const shm_view *v, const shm_cycle *c, const pid_t *pids)
         if (atomic_load(&shm_rank_at(v, c->edges[i].rank)->fence))
             goto unlock; /* reported already; its fence fails the rest */
     uint32_t value = SHM_REPORTS + 1; /* every report area used: the ranks fail without one */
-    if (h->reports_used < SHM_REPORTS) {
-        char *area = shm_report_at(v, h->reports_used);
-        format_report(v, c, pids, area, SHM_REPORT_BYTES);
-        value = ++h->reports_used;
+    uint32_t used = atomic_load_explicit(&h->reports_used, memory_order_relaxed); /* only the lock holder writes it */
+    if (used < SHM_REPORTS) {
+        format_report(v, c, pids, shm_report_at(v, used), SHM_REPORT_BYTES);
+        value = used + 1;
+        /* Release: a rank that reads the count, or a fence naming the report, then reads the text. */
+        atomic_store_explicit(&h->reports_used, value, memory_order_release);
     }
     uint32_t count = 0;
     for (int i = 0; i < c->n; i++) {

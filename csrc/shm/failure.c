@@ -114,7 +114,7 @@ int shm_peer_exited(shm_t *s, int r)
 static int fence_valid(shm_t *s, int r, uint32_t fence)
 {
     shm_header *h = shm_hdr(&s->v);
-    uint32_t used = __atomic_load_n(&h->reports_used, __ATOMIC_ACQUIRE);
+    uint32_t used = atomic_load_explicit(&h->reports_used, memory_order_acquire);
     uint32_t fenced = atomic_load(&h->fenced);
     if (used <= SHM_REPORTS && fenced <= (uint32_t)s->base.size &&
         (fence <= used || (fence == SHM_REPORTS + 1 && used == SHM_REPORTS)))

@@ -122,8 +122,11 @@ static int take_offer(shm_t *s, mp_op *op, shm_chan *ch, chan_local *cl)
     atomic_thread_fence(memory_order_seq_cst); /* after send_issued, before the answer: see shm_answer() */
     if (atomic_load_explicit(&o->seq, memory_order_acquire) != op->seq + 1)
         return active > op->seq || op->nbytes < MP_SHM_OFFER_WAIT_BYTES ? 0 : -1;
-    uint64_t offset = o->offset, nbytes = o->nbytes;
-    int32_t dtype = o->dtype;
+    /* A versioned read (see shm_answer()): fields read while another answer rewrote the slot
+     * are told by seq, which that answer cleared before touching them. */
+    uint64_t offset = atomic_load_explicit(&o->offset, memory_order_relaxed);
+    uint64_t nbytes = atomic_load_explicit(&o->nbytes, memory_order_relaxed);
+    int32_t dtype = atomic_load_explicit(&o->dtype, memory_order_relaxed);
     atomic_thread_fence(memory_order_acquire);
     if (atomic_load_explicit(&o->seq, memory_order_relaxed) != op->seq + 1 || offset == NO_OFFER ||
         nbytes != op->nbytes || dtype != op->dtype)
@@ -330,9 +333,15 @@ static int progress_recv(shm_t *s, mp_step *step, mp_op *op)
 
 /* A large receive on a rank with an arena tells its sender whether its buffer lies there, in
  * the channel's offer slot for its message: when it is posted if the slot is free (the sender
- * has published the message that used it last), else when it becomes active. An activation
- * that races a later receive's answer may overwrite it with its own stale one; the sender of
- * that later message then finds no answer and takes the usual path. */
+ * has published the message that used it last), else when it becomes active. With more than
+ * SHM_NSLOTS receives outstanding, receives k and k + SHM_NSLOTS answer into one slot, and the
+ * two answers may come from two threads: the posting thread and the engine's holder activating
+ * a step. Publishing is atomic in two ways. The writers, all in this process, hold `lock` (the
+ * caller takes it), so one answer never interleaves with another. The reader, the sender in its
+ * own process, cannot share that lock: seq is cleared before the other fields are written and set
+ * last, so take_offer() rechecks it after reading them and drops a read that met a rewrite (a
+ * seqlock whose versions are the messages' seqs). An answer never replaces a later receive's:
+ * that one was made only once this receive's message was published, which has no use for it. */
 void shm_answer(shm_t *s, mp_op *op, shm_chan *ch)
 {
     if (!s->arena || op->nbytes <= s->v.lay.slot_bytes)
@@ -340,9 +349,15 @@ void shm_answer(shm_t *s, mp_op *op, shm_chan *ch)
     uint64_t offset;
     int in_arena = mp_arena_holds(s->arena, op->buf, op->nbytes, &offset);
     shm_offer *o = &ch->offers[op->seq % SHM_NSLOTS];
-    o->offset = in_arena ? offset : NO_OFFER;
-    o->nbytes = op->nbytes;
-    o->dtype = op->dtype;
+    if (atomic_load_explicit(&o->seq, memory_order_relaxed) > op->seq + 1) {
+        op->offered = OFFER_DECLINED;
+        return;
+    }
+    atomic_store_explicit(&o->seq, 0, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release); /* the clearing before the fields, for take_offer's recheck */
+    atomic_store_explicit(&o->offset, in_arena ? offset : NO_OFFER, memory_order_relaxed);
+    atomic_store_explicit(&o->nbytes, op->nbytes, memory_order_relaxed);
+    atomic_store_explicit(&o->dtype, op->dtype, memory_order_relaxed);
     op->offered = in_arena ? OFFER_MADE : OFFER_DECLINED;
     atomic_store_explicit(&o->seq, op->seq + 1, memory_order_release);
     /* Wake the sender only when its send waits for this: it is issued and not published. The
@@ -360,8 +375,11 @@ static void activate(shm_t *s, mp_step *step)
         atomic_store_explicit(&op->state, MP_OP_ACTIVE, memory_order_relaxed);
         if (op->kind == MP_RECV) {
             shm_chan *ch = shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, op->peer, s->base.rank));
-            if (op->offered == OFFER_NONE && atomic_load_explicit(&ch->posted, memory_order_acquire) <= op->seq)
+            if (op->offered == OFFER_NONE && atomic_load_explicit(&ch->posted, memory_order_acquire) <= op->seq) {
+                pthread_mutex_lock(&s->lock); /* the posting thread may answer into the same slot */
                 shm_answer(s, op, ch);
+                pthread_mutex_unlock(&s->lock);
+            }
             /* Release: a peer that reads it then reads recv_issued, which must not look smaller,
              * and the answer, which must be there. */
             if (atomic_load_explicit(&ch->recv_posted, memory_order_relaxed) < op->seq + 1)

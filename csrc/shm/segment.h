@@ -12,11 +12,11 @@
 #include "core/result.h"
 
 #define SHM_MAGIC 0x6d70327073686d31ULL /* "mp2pshm1" */
-#define SHM_VERSION 3u
+#define SHM_VERSION 4u
 #define SHM_NSLOTS 8u          /* descriptors in flight per channel (NCCL-like buffering depth) */
 #define SHM_NCHUNKS 4u         /* bounce-buffer chunks per channel (two-copy path) */
 #define SHM_INLINE_BYTES 4096u /* messages up to this size travel inside the descriptor slot */
-#define SHM_WATCH_OPS 16u      /* pending ops a blocked rank publishes for deadlock detection */
+#define SHM_WATCH_OPS 16u      /* runs of pending ops a blocked rank publishes for deadlock detection */
 #define SHM_REPORTS 4u         /* deadlock reports a segment keeps (one per cycle found) */
 #define SHM_REPORT_BYTES 8192u
 
@@ -39,7 +39,10 @@ typedef struct {
     uint64_t arena_bytes;      /* of the rank's receive arena, which peers map; 0: none */
 } shm_rank;
 
-/* One pending op, as a blocked rank publishes it for the others' cycle search. */
+/* A run of pending ops, as a blocked rank publishes them for the others' cycle search: `count`
+ * ops of one group, alike but for their seqs, seq to seq + count - 1 (a batch of 40 sends of
+ * one shape to one peer is one run). Per channel, whether an op is complete, has a posted
+ * partner, or has an issued one turns at one seq, so a run's edges are those of its ops. */
 typedef struct {
     uint64_t seq;
     uint64_t nbytes;
@@ -49,7 +52,7 @@ typedef struct {
     int32_t lane;
     int32_t dtype;
     int32_t label;
-    int32_t reserved;
+    uint32_t count; /* 1 or more */
     char call[40];
 } shm_watch_op;
 
@@ -58,8 +61,8 @@ typedef struct {
 typedef struct {
     _Atomic uint32_t version; /* odd while being rewritten */
     uint32_t epoch;           /* the shm_rank.wait_epoch it describes */
-    uint32_t nops;
-    int32_t wait_index;       /* ops[] entry the rank waits on; -1 beyond them, -2 several waits */
+    uint32_t nops;            /* runs in ops[] */
+    int32_t wait_index;       /* ops[] run holding the op the rank waits on; -1 beyond them, -2 several waits */
     int32_t wait_lane;
     int32_t reserved;
     shm_watch_op ops[SHM_WATCH_OPS];
@@ -79,12 +82,13 @@ typedef struct {
     uint32_t recv_label;
 } shm_slot;
 
-/* A receive buffer in the receiver's arena, offered to the sender of message seq - 1. */
+/* A receive buffer in the receiver's arena, offered to the sender of message seq - 1. Rewritten
+ * under a version: seq is cleared first and written last (see shm_answer()). */
 typedef struct {
-    _Atomic uint64_t seq; /* written last; 0: none yet */
-    uint64_t offset;
-    uint64_t nbytes;
-    int32_t dtype;
+    _Atomic uint64_t seq; /* 0: none, or being rewritten */
+    _Atomic uint64_t offset;
+    _Atomic uint64_t nbytes;
+    _Atomic int32_t dtype;
     int32_t reserved;
 } shm_offer;
 
@@ -119,7 +123,7 @@ typedef struct {
     char abort_why[240];           /* the aborting rank's reason, when it gave one */
     _Atomic uint32_t fenced;       /* ranks fenced as deadlocked: engines look closer when nonzero */
     _Atomic uint32_t detect_lock;  /* 1 + the rank writing a deadlock report, or 0 */
-    uint32_t reports_used;         /* guarded by detect_lock */
+    _Atomic uint32_t reports_used; /* written under detect_lock; read by anyone (a fence names a report) */
 } shm_header;
 
 typedef struct {

@@ -5,6 +5,7 @@
 
 #include <sched.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "core/clock.h"
 #include "deadlock.h"
@@ -52,19 +53,37 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         mp_futex_wake(&me->bell, 1);
 }
 
-/* Appends the pending ops of `st` to the published list. */
+/* Whether `op` is the next op of run `o`: the same channel, shape and call, the following seq. */
+static int continues(const shm_watch_op *o, const mp_op *op)
+{
+    return o->seq + o->count == op->seq && o->kind == (int32_t)op->kind && o->peer == op->peer &&
+           o->lane == op->lane && o->nbytes == op->nbytes && o->dtype == op->dtype && o->label == (int32_t)op->label &&
+           strncmp(o->call, op->call_name, sizeof o->call - 1) == 0;
+}
+
+/* Appends the pending ops of `st` to the published list, as runs: each op joins a run of this
+ * step that it continues, or starts one while there is room. */
 static void publish_step(shm_watch *w, uint32_t *n, const mp_step *st, const mp_op *waited)
 {
-    for (int i = 0; i < st->nops && *n < SHM_WATCH_OPS; i++) {
+    uint32_t first = *n; /* this step's runs */
+    for (int i = 0; i < st->nops; i++) {
         const mp_op *op = st->ops[i];
         if (!op)
             continue;
+        uint32_t run = first;
+        while (run < *n && !continues(&w->ops[run], op))
+            run++;
+        if (run == *n) {
+            if (*n == SHM_WATCH_OPS)
+                continue; /* left out; it may still continue a run that has room */
+            shm_watch_op *o = &w->ops[(*n)++];
+            *o = (shm_watch_op){.seq = op->seq, .nbytes = op->nbytes, .step = op->step, .kind = op->kind,
+                                .peer = op->peer, .lane = op->lane, .dtype = op->dtype, .label = op->label};
+            snprintf(o->call, sizeof o->call, "%s", op->call_name);
+        }
         if (op == waited)
-            w->wait_index = (int32_t)*n;
-        shm_watch_op *o = &w->ops[(*n)++];
-        *o = (shm_watch_op){.seq = op->seq, .nbytes = op->nbytes, .step = op->step, .kind = op->kind,
-                            .peer = op->peer, .lane = op->lane, .dtype = op->dtype, .label = op->label};
-        snprintf(o->call, sizeof o->call, "%s", op->call_name);
+            w->wait_index = (int32_t)run;
+        w->ops[run].count++;
     }
 }
 
@@ -128,7 +147,7 @@ static void watch_round(shm_t *s, const mp_op *op, shm_cycle **seen)
     if (corrupt[0])
         shm_found_corrupt(s, "%s", corrupt);
     shm_header *h = shm_hdr(&s->v);
-    uint32_t lock = atomic_load(&h->detect_lock), used = __atomic_load_n(&h->reports_used, __ATOMIC_ACQUIRE);
+    uint32_t lock = atomic_load(&h->detect_lock), used = atomic_load_explicit(&h->reports_used, memory_order_acquire);
     if (cycle && (lock > (uint32_t)s->base.size || used > SHM_REPORTS)) {
         shm_found_corrupt(s, "detect_lock = %u, reports_used = %u", lock, used);
         shm_cycle_free(cycle);

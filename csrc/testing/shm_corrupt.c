@@ -32,7 +32,8 @@ static const field watch_fields[] = {
 static const field watch_op_fields[] = {
     FIELD(shm_watch_op, seq),  FIELD(shm_watch_op, nbytes), FIELD(shm_watch_op, step),
     FIELD(shm_watch_op, kind), FIELD(shm_watch_op, peer),   FIELD(shm_watch_op, lane),
-    FIELD(shm_watch_op, dtype), FIELD(shm_watch_op, label), FIELD(shm_watch_op, call),
+    FIELD(shm_watch_op, dtype), FIELD(shm_watch_op, label), FIELD(shm_watch_op, count),
+    FIELD(shm_watch_op, call),
 };
 static const field counter_fields[] = {
     FIELD(shm_chan, posted),      FIELD(shm_chan, produced), FIELD(shm_chan, send_issued),

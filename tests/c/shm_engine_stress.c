@@ -4,7 +4,10 @@
  * and the progress thread.
  *
  * Every rank derives the same plan from the seed: per lane and round, one of a ring shift, an
- * all-to-all step, a self exchange, or a pairwise exchange in two steps; sizes cross the inline
+ * all-to-all step, a self exchange, a pairwise exchange in two steps, or a burst (a ring shift of
+ * BURST messages per peer in one step, between 4 KiB and 2 MiB, received into the arena where the
+ * receiver has one: more receives outstanding on a channel than it has offer slots, so that two
+ * receives answer into one slot); sizes cross the inline
  * (eager and rendezvous), single-copy and bounce-buffer paths; now and then a receive expects a
  * different size (both sides must report the mismatch) or a rank dawdles (its peers block long
  * enough to run the deadlock detector, which must find nothing). Rank 1 refuses single-copy, so
@@ -32,7 +35,8 @@
 
 #define NLANES 2
 #define MAX_RANKS 8
-#define MAX_STEP_OPS (2 * MAX_RANKS)
+#define BURST ((int)SHM_NSLOTS + 2) /* messages per peer in a burst round's step */
+#define MAX_STEP_OPS (2 * BURST > 2 * MAX_RANKS ? 2 * BURST : 2 * MAX_RANKS)
 #define MAX_INFLIGHT 8
 
 typedef struct {
@@ -50,7 +54,7 @@ typedef struct {
 } config;
 
 typedef struct {
-    uint64_t messages, inlined, single_copy, bounce, arena, self, mismatched, bytes, dawdles, failures;
+    uint64_t messages, inlined, single_copy, bounce, arena, burst_arena, self, mismatched, bytes, dawdles, failures;
 } stats;
 
 static void add_stats(stats *to, const stats *s)
@@ -59,6 +63,7 @@ static void add_stats(stats *to, const stats *s)
     to->inlined += s->inlined;
     to->single_copy += s->single_copy;
     to->arena += s->arena;
+    to->burst_arena += s->burst_arena;
     to->bounce += s->bounce;
     to->self += s->self;
     to->mismatched += s->mismatched;
@@ -92,11 +97,13 @@ static uint64_t hash4(uint64_t a, uint64_t b, uint64_t c, uint64_t d)
     return mix(mix(mix(mix(a) ^ b) ^ c) ^ d);
 }
 
-enum { ROUND_SHIFT = 0, ROUND_ALL_TO_ALL, ROUND_SELF, ROUND_PAIRS };
+enum { ROUND_SHIFT = 0, ROUND_ALL_TO_ALL, ROUND_SELF, ROUND_PAIRS, ROUND_BURST };
 
 static int round_kind(const config *cfg, int lane, int round)
 {
     uint64_t h = hash4(cfg->seed, 1, (uint64_t)lane, (uint64_t)round) % 100;
+    if (h < 5)
+        return ROUND_BURST;
     if (h < 50)
         return ROUND_SHIFT;
     if (h < 70)
@@ -126,18 +133,32 @@ static uint64_t message_bytes(const config *cfg, uint64_t h)
     return (2u << 20) + r % (4u << 20);
 }
 
+/* A burst's sizes: past the inline slot and under ARENA_WAIT_BYTES (whose senders wait for the
+ * receive's answer), spread evenly over the powers of two from 4 KiB to 1 MiB. */
+static uint64_t burst_bytes(const config *cfg, uint64_t h)
+{
+    uint64_t base = (uint64_t)4096 << (h % 9), n = base + (h >> 8) % base;
+    return n > cfg->slot_bytes ? n : cfg->slot_bytes + 1;
+}
+
 typedef struct {
     uint64_t nbytes;
     int dtype;
     uint64_t key;        /* seeds the message's bytes */
     int mismatched;      /* the receive expects one byte more */
+    int burst;           /* of a burst round: received into the arena where there is one */
 } message;
 
-static message plan_message(const config *cfg, int lane, int round, int src, int dst)
+/* Message `index` of a round from src to dst (a burst's has several). */
+static message plan_message(const config *cfg, int lane, int round, int index, int src, int dst)
 {
     uint64_t h = hash4(cfg->seed ^ 0x5bd1e995u, (uint64_t)lane, (uint64_t)round, (uint64_t)(src * MAX_RANKS + dst));
-    message m = {.nbytes = message_bytes(cfg, h), .dtype = (int)(mix(h) % MP_NUM_DTYPES), .key = mix(h ^ 7)};
-    m.mismatched = src != dst && mix(h ^ 11) % 64 == 0;
+    /* A burst's messages differ in their bytes only: an offer read half-rewritten would pass the
+     * sender's size and dtype check, and the bytes land in another receive's buffer. */
+    message m = {.dtype = (int)(mix(h) % MP_NUM_DTYPES), .key = mix(h ^ 7 ^ ((uint64_t)index << 32))};
+    m.burst = round_kind(cfg, lane, round) == ROUND_BURST;
+    m.nbytes = m.burst ? burst_bytes(cfg, h) : message_bytes(cfg, h);
+    m.mismatched = !m.burst && src != dst && mix(h ^ 11) % 64 == 0;
     return m;
 }
 
@@ -157,10 +178,16 @@ typedef struct {
     plan_op ops[MAX_STEP_OPS];
 } plan_step;
 
-static void add_op(const config *cfg, plan_step *st, mp_kind kind, int me, int peer, int lane, int round)
+static void add_message(const config *cfg, plan_step *st, mp_kind kind, int me, int peer, int lane, int round,
+                        int index)
 {
     int src = kind == MP_SEND ? me : peer, dst = kind == MP_SEND ? peer : me;
-    st->ops[st->nops++] = (plan_op){kind, peer, plan_message(cfg, lane, round, src, dst)};
+    st->ops[st->nops++] = (plan_op){kind, peer, plan_message(cfg, lane, round, index, src, dst)};
+}
+
+static void add_op(const config *cfg, plan_step *st, mp_kind kind, int me, int peer, int lane, int round)
+{
+    add_message(cfg, st, kind, me, peer, lane, round, 0);
 }
 
 /* This rank's steps of one round (1 or 2); every rank's k-th step on a lane only needs its peers'
@@ -190,6 +217,14 @@ static int plan_round(const config *cfg, int lane, int round, int me, plan_step 
                 add_op(cfg, &steps[0], MP_RECV, me, peer, lane, round);
                 add_op(cfg, &steps[0], MP_SEND, me, peer, lane, round);
             }
+        }
+        return 1;
+    }
+    case ROUND_BURST: {
+        int d = round_shift(cfg, lane, round);
+        for (int i = 0; i < BURST; i++) {
+            add_message(cfg, &steps[0], MP_RECV, me, (me + n - d) % n, lane, round, i);
+            add_message(cfg, &steps[0], MP_SEND, me, (me + d) % n, lane, round, i);
         }
         return 1;
     }
@@ -322,10 +357,11 @@ static void post_step(lane_ctx *c, const plan_step *plan, int round)
         op->nbytes = nbytes;
         op->dtype = po->m.dtype;
         op->ndim = -1;
-        /* Half the large receives of ranks with an arena land in it: their senders copy straight in. */
+        /* Half the large receives of ranks with an arena land in it (a burst's all): their senders
+         * copy straight in. */
         mp_arena *arena = mp_shm_arena(c->t);
         char why[160];
-        op->buf = po->kind == MP_RECV && arena && nbytes > c->cfg->slot_bytes && po->m.key % 2
+        op->buf = po->kind == MP_RECV && arena && nbytes > c->cfg->slot_bytes && (po->m.key % 2 || po->m.burst)
                       ? mp_arena_alloc(arena, nbytes, why, sizeof why)
                       : NULL;
         if (!op->buf)
@@ -408,8 +444,10 @@ static void complete_oldest(lane_ctx *c)
             c->st.self++;
         else if (op->nbytes <= c->cfg->slot_bytes)
             c->st.inlined++;
-        else if (mp_shm_arena(c->t) && mp_arena_holds(mp_shm_arena(c->t), op->buf, op->nbytes, &(uint64_t){0}))
+        else if (mp_shm_arena(c->t) && mp_arena_holds(mp_shm_arena(c->t), op->buf, op->nbytes, &(uint64_t){0})) {
             c->st.arena++;
+            c->st.burst_arena += (uint64_t)po->m.burst;
+        }
         else if (mp_shm_single_copy(c->t, op->peer))
             c->st.single_copy++;
         else
@@ -599,10 +637,11 @@ int main(int argc, char **argv)
     for (int l = 0; l < NLANES; l++)
         rounds += atomic_load(&started[l]) & ~TIME_UP;
     printf("seed=%llu ranks=%d lanes=%d rounds=%llu messages=%llu inline=%llu single_copy=%llu bounce=%llu arena=%llu "
-           "self=%llu mismatched=%llu dawdles=%llu mib=%.1f failures=%llu seconds=%.1f\n",
+           "burst_arena=%llu self=%llu mismatched=%llu dawdles=%llu mib=%.1f failures=%llu seconds=%.1f\n",
            (unsigned long long)cfg.seed, cfg.ranks, NLANES, (unsigned long long)rounds,
            (unsigned long long)total.messages, (unsigned long long)total.inlined, (unsigned long long)total.single_copy,
-           (unsigned long long)total.bounce, (unsigned long long)total.arena, (unsigned long long)total.self, (unsigned long long)total.mismatched,
+           (unsigned long long)total.bounce, (unsigned long long)total.arena,
+           (unsigned long long)total.burst_arena, (unsigned long long)total.self, (unsigned long long)total.mismatched,
            (unsigned long long)total.dawdles, (double)total.bytes / (1 << 20), (unsigned long long)total.failures,
            mp_now() - cfg.start);
     return status;

@@ -1,13 +1,20 @@
 /* A cycle's ranks are fenced one by one (shm_cycle_fence). A member that wakes between its
  * peer's fence and its own must still be reported as a member (MP_ERR_DEADLOCK), not as a rank
  * that merely needs a member (MP_ERR_ABORTED); and a fence, once written, is final. This stages
- * the fencing by hand, on a 2-rank communicator whose ranks are threads of this process:
+ * the fencing by hand (and, in one case, a peer's word the search reads), on a 2-rank
+ * communicator whose ranks are threads of this process:
  *
  *   shm_fence_order member [rounds]        rank 1's fence comes before the lock is released:
  *                                          DEADLOCK
  *   shm_fence_order waiter [rounds]        the lock is released without it: ABORTED
  *   shm_fence_order abort_after [rounds]   both fences written, then rank 0 aborts the
  *                                          communicator before rank 1 waits: still DEADLOCK
+ *   shm_fence_order unpublished [rounds]   no fencing: rank 0, which never waited, has its
+ *                                          `waiting` count set (garbage a peer may write, but a
+ *                                          value a valid state holds) while rank 1 waits on it
+ *                                          for UNPUBLISHED_WAIT_S: TIMEOUT, and no corrupt
+ *                                          segment (rank 0's never-published wait area, all
+ *                                          zeros, is no snapshot of a wait)
  *
  * In every case rank 1 then closes its side at once, its ops all finished; that must leave the
  * communicator unaborted. Whether its failed step is still on its lane then depends on rank 1's
@@ -28,6 +35,7 @@
 #include "shm/segment.h"
 
 #define HELD_S 0.2 /* how long the fencing stays half-done: ten of rank 1's watch rounds */
+#define UNPUBLISHED_WAIT_S 0.2 /* ten of rank 1's watch rounds */
 
 typedef struct {
     const char *name;
@@ -58,13 +66,14 @@ static void *rank0_main(void *arg)
 typedef struct {
     mp_transport *t;
     mp_op *op;
+    double timeout;
     mp_result r;
 } waiter_ctx;
 
 static void *wait_main(void *arg)
 {
     waiter_ctx *w = arg;
-    w->r = w->t->ops->wait(w->t, w->op, mp_now() + 10.0, NULL);
+    w->r = w->t->ops->wait(w->t, w->op, mp_now() + w->timeout, NULL);
     return NULL;
 }
 
@@ -75,7 +84,7 @@ static void fence_rank0(const shm_view *v)
     shm_header *h = shm_hdr(v);
     atomic_store(&h->detect_lock, 1);
     snprintf(shm_report_at(v, 0), SHM_REPORT_BYTES, "deadlock: ranks 0 -> 1 -> 0 (written by shm_fence_order)");
-    h->reports_used = 1;
+    atomic_store(&h->reports_used, 1);
     atomic_store(&shm_rank_at(v, 0)->fence, 1);
 }
 
@@ -93,6 +102,7 @@ static void finish_fencing(const shm_view *v, int with_rank1)
 static int play(const char *which, int print)
 {
     int member = strcmp(which, "waiter") != 0, abort_after = strcmp(which, "abort_after") == 0;
+    int unpublished = strcmp(which, "unpublished") == 0;
     char name[MP_SHM_NAME_LEN];
     if (mp_shm_new_name(name, sizeof name) != 0) {
         perror("mp_shm_new_name");
@@ -134,23 +144,39 @@ static int play(const char *which, int print)
     const shm_view *v = mp_shm_view(t);
     double start = mp_now();
     int early = 0;
-    waiter_ctx w = {.t = t, .op = &op};
+    waiter_ctx w = {.t = t, .op = &op, .timeout = unpublished ? UNPUBLISHED_WAIT_S : 10.0};
     pthread_t tw;
+    if (unpublished)
+        atomic_store(&shm_rank_at(v, 0)->waiting, 1);
     if (abort_after) {
         fence_rank0(v);
         finish_fencing(v, 1);
         r0.t->ops->abort(r0.t, MP_ERR_CLOSED, 0, "rank 0 closed it with ops pending (written by shm_fence_order)");
     }
-    if (pthread_create(&tw, NULL, wait_main, &w) != 0)
-        goto out;
-    if (!abort_after) {
-        fence_rank0(v);
-        usleep((useconds_t)(HELD_S * 1e6));
-        early = mp_op_done(&op);
-        finish_fencing(v, member);
+    if (unpublished) {
+        wait_main(&w); /* on the posting thread: a wait the search counts as blocked */
+    } else {
+        if (pthread_create(&tw, NULL, wait_main, &w) != 0)
+            goto out;
+        if (!abort_after) {
+            fence_rank0(v);
+            usleep((useconds_t)(HELD_S * 1e6));
+            early = mp_op_done(&op);
+            finish_fencing(v, member);
+        }
+        pthread_join(tw, NULL);
     }
-    pthread_join(tw, NULL);
     double elapsed = mp_now() - start;
+    if (unpublished) {
+        mp_result cause = (mp_result)atomic_load(&shm_hdr(v)->abort_cause);
+        atomic_store(&shm_rank_at(v, 0)->waiting, 0);
+        res = w.r == MP_ERR_TIMEOUT && cause == MP_OK ? 0 : 1;
+        if (res || print)
+            printf("%s: %s after %.3f s (expected %s), communicator %s%s\n", which, mp_result_str(w.r), elapsed,
+                   mp_result_str(MP_ERR_TIMEOUT), cause == MP_OK ? "not aborted" : "aborted: ",
+                   cause == MP_OK ? "" : atomic_load(&shm_hdr(v)->abort_why_ready) ? shm_hdr(v)->abort_why : "");
+        goto out; /* closing with the receive pending aborts the communicator: nothing to check */
+    }
     t->ops->destroy(t);
     t = NULL;
     mp_result closed = abort_after ? MP_OK : (mp_result)atomic_load(&shm_hdr(mp_shm_view(r0.t))->abort_cause);
@@ -174,13 +200,13 @@ out:
 
 int main(int argc, char **argv)
 {
-    const char *cases[] = {"member", "waiter", "abort_after"};
+    const char *cases[] = {"member", "waiter", "abort_after", "unpublished"};
     int known = 0;
-    for (int i = 0; argc >= 2 && i < 3; i++)
+    for (int i = 0; argc >= 2 && i < 4; i++)
         known |= strcmp(argv[1], cases[i]) == 0;
     int rounds = argc == 3 ? atoi(argv[2]) : 1;
     if (!known || argc > 3 || rounds < 1) {
-        fprintf(stderr, "usage: %s member|waiter|abort_after [rounds >= 1]\n", argv[0]);
+        fprintf(stderr, "usage: %s member|waiter|abort_after|unpublished [rounds >= 1]\n", argv[0]);
         return 2;
     }
     for (int i = 0; i < rounds; i++) {

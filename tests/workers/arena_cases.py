@@ -126,6 +126,47 @@ def burst(ctx, comm, count, numel):
             "paths": {p: after[p] - before[p] for p in after if after[p] != before[p]}}
 
 
+STREAM_MESSAGES = 120
+STREAM_BATCH = 10  # receives in one group: more than a channel's 8 offer slots
+STREAM_WINDOW = 12  # single receives kept posted past the batches
+
+
+def stream_numel(i):
+    """float32 elements of message i: past the inline slot (4 KiB), under ARENA_WAIT_BYTES, over
+    every power of two between."""
+    base = 1024 << (i % 8)
+    return base + 1 + (i * 997) % (base - 1)
+
+
+def offers_in_flight(ctx, comm):
+    """Rank 0 streams STREAM_MESSAGES sends; rank 1 receives them into arena buffers, first in
+    groups of STREAM_BATCH, then singly with STREAM_WINDOW posted while the earlier ones complete:
+    more receives outstanding on the channel than it has offer slots, so that receives k and k + 8
+    answer into one slot, from the posting thread and from the engine's (rank 1)."""
+    torch = ctx.torch
+    if ctx.me == 0:
+        reqs = [comm.isend(ctx.payload(200 + i, stream_numel(i)), 1) for i in range(STREAM_MESSAGES)]
+        for r in reqs:
+            r.wait()
+        return None
+    before = dict(comm.stats()["received_by_path"])
+    bufs = [comm.empty((stream_numel(i),), torch.float32).zero_() for i in range(STREAM_MESSAGES)]
+    batched = STREAM_MESSAGES // 2
+    reqs = []
+    for first in range(0, batched, STREAM_BATCH):
+        reqs += comm.batch([(False, bufs[i], 0) for i in range(first, first + STREAM_BATCH)])
+    for i in range(batched, STREAM_MESSAGES):
+        if len(reqs) - STREAM_WINDOW >= 0:
+            reqs[len(reqs) - STREAM_WINDOW].wait()
+        reqs.append(comm.irecv(bufs[i], 0))
+    for r in reqs:
+        r.wait()
+    after = comm.stats()["received_by_path"]
+    return {"exact": sum(bool(torch.equal(b, ctx.payload(200 + i, b.numel()))) for i, b in enumerate(bufs)),
+            "in_arena": sum(in_own_arena(b) for b in bufs),
+            "paths": {p: after[p] - before[p] for p in after if after[p] != before[p]}}
+
+
 # ---- sections ----------------------------------------------------------------------------------
 
 
@@ -153,6 +194,7 @@ def delivery(ctx):
     out["into_view"] = ctx.transfer(comm, block[n:2 * n], 7)
     out["view_neighbours_untouched"] = bool((block[:n] == -1).all() and (block[2 * n:] == -1).all())
     out["burst"] = burst(ctx, comm, 12, n)
+    out["offers_in_flight"] = offers_in_flight(ctx, comm)
     comm.close()
     comm = ctx.init(env={"MEGATRON_P2P_SHM_SINGLE_COPY": "0"})
     out["no_single_copy"] = {"into_arena": ctx.transfer(comm, comm.empty((n,), torch.float32), 4),

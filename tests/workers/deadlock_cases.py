@@ -10,6 +10,11 @@
   waiter       ranks 0 and 1 in a cycle; rank 2 waits on a receive from rank 0
   compute      rank 1 computes for 3 s before posting the receive rank 0 waits on
   busy_chain   rank 0 waits on rank 1, which waits on rank 2, which computes for 2 s
+  behind_batch rank 0 waits on one 40-op group: 20 receives from rank 2, which computes for 2 s,
+               then 20 sends to rank 1, which posts its receives behind a send to rank 0 (a
+               2-rank cycle behind 20 ops that wait on a computing rank)
+  batch_waits  the same 40-op group, with rank 1 posting its receives behind a receive from
+               rank 2, which computes for 1 s and then sends to both: no cycle
 
 Each rank records what it raised, how long after the cycle formed, and its message."""
 import time
@@ -99,10 +104,47 @@ def busy_chain(torch, comm, me):
     return caught(lambda: comm.isend(torch.ones(8), 1).wait())
 
 
+BATCH_HALF = 20  # ops of each kind in the 40-op group: more than the 16 runs a rank publishes
+
+
+def batch_behind(torch, comm, me, rank1_first, compute):
+    """Rank 0 waits on a 40-op group: BATCH_HALF receives from rank 2 first, then BATCH_HALF
+    sends to rank 1. Rank 1 posts `rank1_first` (a send to rank 0, or a receive from rank 2), then
+    the BATCH_HALF receives from rank 0. Rank 2 computes for `compute` s, then sends what rank 0
+    and (after a receive) rank 1 expect. Records whether what the rank received is exact."""
+    ins = [torch.zeros(1024) for _ in range(BATCH_HALF)]
+
+    def body():
+        if me == 0:
+            wait_all(comm.batch([(False, b, 2) for b in ins] + [(True, torch.full((1024,), float(i)), 1)
+                                                               for i in range(BATCH_HALF)], call="forward_batch"))
+        elif me == 1:
+            first = comm.batch([(rank1_first == "send", torch.zeros(1024), 0 if rank1_first == "send" else 2)],
+                               call=f"{rank1_first}_first")
+            wait_all(first + comm.batch([(False, b, 0) for b in ins], call="recv_batch"))
+        else:
+            time.sleep(compute)
+            late = [(True, torch.full((1024,), 2.0), 0) for _ in range(BATCH_HALF)]
+            wait_all(comm.batch(late + ([(True, torch.zeros(1024), 1)] if rank1_first == "recv" else []), call="late"))
+    res = caught(body)
+    expected = [2.0] * BATCH_HALF if me == 0 else list(range(BATCH_HALF)) if me == 1 else []
+    res["exact"] = all(bool((b == v).all()) for b, v in zip(ins, expected))
+    return res
+
+
+def behind_batch(torch, comm, me):
+    return batch_behind(torch, comm, me, "send", 2.0)
+
+
+def batch_waits(torch, comm, me):
+    return batch_behind(torch, comm, me, "recv", 1.0)
+
+
 # name: (the global ranks of its communicator, the section)
 SECTIONS = {"partial": ((0, 1, 2, 3), partial), "three": ((0, 1, 2), three),
             "staggered": ((0, 1), staggered), "lane_order": ((0, 1), lane_order),
-            "waiter": ((0, 1, 2), waiter), "compute": ((0, 1), compute), "busy_chain": ((0, 1, 2), busy_chain)}
+            "waiter": ((0, 1, 2), waiter), "compute": ((0, 1), compute), "busy_chain": ((0, 1, 2), busy_chain),
+            "behind_batch": ((0, 1, 2), behind_batch), "batch_waits": ((0, 1, 2), batch_waits)}
 
 
 def body(params):
