@@ -38,11 +38,13 @@ process's own total, the shim's cost per call removed, is printed too: it runs s
 total without the shim (the shim's reads change how the calling thread and the model's stream
 threads interleave), which is why (2) is taken from the total without it.
 
-Three launch behaviours of the model: "steady", every ncclGroupEnd done at once (a blocking
-communicator once its connections are up); "group_thread", NCCL's nonblocking behaviour, every
-ncclGroupEnd starting a thread that launches the group and answering ncclInProgress until it
-has; and "in_progress", every ncclGroupEnd answering ncclInProgress for 1 ms, which the
-transport's settle loop polls through (its CPU time then is mostly that loop's).
+Three launch behaviours: "steady", the package's own, with its blocking data communicators
+(every ncclGroupEnd launches on the caller's thread, its connections made by the warm-up);
+"group_thread", nonblocking data communicators (NCCL_COMM_BLOCKING=0, and what the package did
+before it split blocking children off), NCCL's thread per ncclGroupEnd answering ncclInProgress
+until it has launched the group; and "in_progress", nonblocking data communicators whose every
+ncclGroupEnd answers ncclInProgress for 1 ms, which the transport's settle loop polls through
+(its CPU time then is mostly that loop's).
 
 Last, a process run under `strace -f --seccomp-bpf -e trace=clone,clone3,nanosleep,
 clock_nanosleep` (plus access, for window markers) counts the threads created and the sleeps per
@@ -94,11 +96,12 @@ PROCESS_LIMIT_S = 45
 # much to measure of each: rounds (after one of warm-up) x samples per round per mode, processes.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "steady": {"env": {"MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "0"}, "rounds": 6, "samples": 8, "repeats": 5},
-    "in_progress": {"env": {"MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1", "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "1"},
+    "in_progress": {"env": {"NCCL_COMM_BLOCKING": "0", "MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY": "1",
+                            "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "1"},
                     "rounds": 3, "samples": 3, "repeats": 1},
     # What NCCL does for a nonblocking communicator: a thread per group end, ncclInProgress until
     # it has launched (src/group.cc ncclGroupEndInternal), with no delay added.
-    "group_thread": {"env": {"MPFAKE_NCCL_GROUP_THREAD": "1", "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "0"},
+    "group_thread": {"env": {"NCCL_COMM_BLOCKING": "0", "MPFAKE_NCCL_GROUP_IN_PROGRESS_MS": "0"},
                      "rounds": 4, "samples": 4, "repeats": 2},
 }
 # Names the shim must not time: the unique id is passed by value, on the stack.
