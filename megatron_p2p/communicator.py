@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, flight_recorder, nccl, watchdog
+from .stall import StallWatch
 
 BACKENDS = ("shm", "nccl", "auto")
 _STORE_PREFIX = "megatron_p2p"
@@ -208,7 +209,8 @@ def init_communicator(
     if backend == "shm" and _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
         _tell_if_no_single_copy(comm, ranks)
     if backend == "nccl":
-        watchdog.watch(comm, relay.relayed, peers)
+        stall = StallWatch(store, f"{base}/{generation}/stall", ranks, me)
+        watchdog.watch(comm, relay, peers, stall)
     _live.add(comm)
     flight_recorder.install(comm)
     return comm

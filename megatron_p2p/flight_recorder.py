@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 ENV = "MEGATRON_P2P_TRACE_DIR"
 FORMAT = "megatron_p2p.trace/1"
-REASONS = ("error", "exit", "signal", "watchdog")
+REASONS = ("error", "exit", "signal", "watchdog", "stall")
 
 _log = logging.getLogger(__name__)
 # Kept alive until exit, so that a communicator closed and dropped early still gets its exit dump.
@@ -82,7 +82,7 @@ def dump(comm: Any, reason: str, error: Optional[str] = None) -> Optional[Path]:
         directory = trace_dir()
         if directory is None:
             return None
-        record = _record(comm, reason, error if error is not None else _last_error.get(comm.id))
+        record = to_record(comm, reason, error if error is not None else _last_error.get(comm.id))
         path = directory / f"rank{record['rank']}.{record['communicator']}.json"
         tmp = directory / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_text(_to_json(record))
@@ -100,7 +100,8 @@ def dump_all(reason: str) -> list[Path]:
     return [p for p in (dump(c, reason) for c in comms) if p is not None]
 
 
-def _record(comm: Any, reason: str, error: Optional[str]) -> dict[str, Any]:
+def to_record(comm: Any, reason: str, error: Optional[str] = None) -> dict[str, Any]:
+    """What a dump holds (docs/trace-format.md): also what a stalled NCCL rank publishes."""
     return {
         "format": FORMAT,
         "communicator": comm.id,

@@ -118,11 +118,14 @@ def stream_handle(device: int) -> Callable[[], int]:
 
 class Relayed(NamedTuple):
     """An abort a peer published: the global rank it names as the cause, the first line of why,
-    and whether the cause is a process of the group (or the store's host) gone."""
+    whether the cause is a process of the group (or the store's host) gone, and for a deadlock
+    the global ranks of its cycle and the whole report."""
 
     rank: int
     message: str
     peer_failed: bool = False
+    deadlock: tuple[int, ...] = ()
+    report: str = ""
 
 
 class AbortRelay:
@@ -137,12 +140,14 @@ class AbortRelay:
         self._rank = rank  # this process's global rank: the cause its peers will name
         self.store_gone: Optional[str] = None
 
-    def publish(self, message: Optional[str], rank: Optional[int] = None, peer_failed: bool = False) -> None:
-        """Tells the peers; `rank` (default: this one) is the global rank their reports name."""
+    def publish(self, message: Optional[str], rank: Optional[int] = None, peer_failed: bool = False,
+                deadlock: tuple[int, ...] = ()) -> None:
+        """Tells the peers; `rank` (default: this one) is the global rank their reports name;
+        `deadlock`: the global ranks of the cycle `message` reports."""
         if self.store_gone is not None:
             return  # the job is ending, and its peers learn of it themselves
         told = {"rank": self._rank if rank is None else rank, "message": message or "aborted",
-                "peer_failed": peer_failed}
+                "peer_failed": peer_failed, "deadlock": list(deadlock)}
         try:
             self._store.set(self._key, json.dumps(told).encode())
         except dist.DistNetworkError as e:
@@ -161,7 +166,9 @@ class AbortRelay:
         except dist.DistNetworkError as e:
             self._lost(e)
             return None
-        return Relayed(int(told["rank"]), str(told["message"]).split("\n", 1)[0], bool(told.get("peer_failed")))
+        message = str(told["message"])
+        return Relayed(int(told["rank"]), message.split("\n", 1)[0], bool(told.get("peer_failed")),
+                       tuple(int(r) for r in told.get("deadlock", ())), message)
 
     def _lost(self, error: dist.DistNetworkError) -> None:
         self.store_gone = str(error).split("\n", 1)[0][:120]

@@ -112,6 +112,9 @@ class Finding:
     kind: str
     ranks: tuple[int, ...]  # global ranks involved
     text: str  # first line a summary, then details
+    # A cycle's ranks that have not posted an op one of its edges waits for (they could still post
+    # it, unless their host is blocked); none when every edge waits on a posted, queued partner.
+    unposted: tuple[int, ...] = ()
 
 
 @dataclass
@@ -233,6 +236,12 @@ def load_dump(path: Path) -> Dump:
         raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not JSON ({exc})") from None
+    return dump_from_record(obj, path)
+
+
+def dump_from_record(obj: Any, path: Path) -> Dump:
+    """Validates one dump's record (what flight_recorder writes, from a file or through the
+    store); `path` names it in errors. Raises TraceError naming the field."""
     name = path.name
     if not isinstance(obj, dict):
         raise TraceError(f"{name}: a dump must be a JSON object")
@@ -462,13 +471,17 @@ def _cycle(g: _Group, report: CommunicatorReport, explained: set[TraceOp]) -> No
         return  # stuck on ranks that post nothing more: reported as missing or dead
     ranks = tuple(g.ranks[e.rank] for e in verdict.cycle)
     lines = [f"ranks {' -> '.join(map(str, ranks + ranks[:1]))} wait on each other; none can go on"]
+    unposted: list[int] = []
     for e in verdict.cycle:
         ref = e.blocked_on
         op = where[ref.rank, ref.call, ref.step, ref.index]
         explained.add(op)
         peer = g.ranks[e.waits_for]
         lines.append(f"rank {op.rank}: blocked on {op.describe()}; {_peer_state(g, op, peer, e.peer_posted)}")
-    report.findings.append(Finding("cycle", ranks, "\n".join(lines)))
+        partner = g.sides[op.channel]["recv" if op.kind == "send" else "send"].get(op.seq)
+        if (op.peer != peer or partner is None) and peer not in unposted:
+            unposted.append(peer)
+    report.findings.append(Finding("cycle", ranks, "\n".join(lines), tuple(unposted)))
 
 
 def _peer_state(g: _Group, op: TraceOp, peer: int, simulated: str) -> str:

@@ -38,9 +38,12 @@ import os
 import sys
 import threading
 import weakref
-from typing import Callable, Optional
+from typing import Optional
+
+import torch.distributed as dist
 
 from . import _C, flight_recorder, nccl
+from .stall import StallWatch
 
 ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
 HANDLINGS = ("end", "raise")
@@ -63,11 +66,12 @@ def handling() -> str:
 
 
 class _Watched:
-    def __init__(self, comm: "_C.Communicator", relayed: Callable[[], Optional[nccl.Relayed]],
-                 peers: Optional[nccl.PeerWatch]):
+    def __init__(self, comm: "_C.Communicator", relay: nccl.AbortRelay, peers: Optional[nccl.PeerWatch],
+                 stall: Optional[StallWatch]):
         self.comm = weakref.ref(comm)
-        self.relayed = relayed
+        self.relay = relay
         self.peers = peers
+        self.stall = stall
         self.lost = False  # aborted for a lost peer or store: nothing more to find
 
     def open(self) -> bool:
@@ -87,14 +91,15 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
-    def watch(self, comm: "_C.Communicator", relayed: Callable[[], Optional[nccl.Relayed]],
-              peers: Optional[nccl.PeerWatch] = None) -> None:
+    def watch(self, comm: "_C.Communicator", relay: nccl.AbortRelay, peers: Optional[nccl.PeerWatch] = None,
+              stall: Optional[StallWatch] = None) -> None:
         """Watches `comm` until it is closed or dropped. watchdog_check() publishes what it finds
-        to the peers itself (the communicator's on_abort); `relayed()` returns the global rank that aborted and why (an nccl.Relayed), once a
-        peer has published an abort; `peers` finds dead peers."""
+        to the peers itself (the communicator's on_abort); `relay.relayed()` returns the global
+        rank that aborted and why (an nccl.Relayed), once a peer has published an abort; `peers`
+        finds dead peers; `stall` names the deadlocks of a stalled communicator."""
         handling()  # a wrong setting fails at creation, not when the watchdog fires
         with self._lock:
-            self._watched.append(_Watched(comm, relayed, peers))
+            self._watched.append(_Watched(comm, relay, peers, stall))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="megatron_p2p-watchdog", daemon=True)
                 self._thread.start()
@@ -127,12 +132,14 @@ class Watchdog:
         if comm is None or comm.closed or w.lost:
             return
         try:
-            told = w.relayed()
+            told = w.relay.relayed()
         except Exception:  # noqa: BLE001 - the store failed: the job is ending
             told = None
         if told is not None:
             if told.peer_failed:
                 nccl.abort_for_peer(comm, told.rank, told.message)
+            elif comm.global_rank in told.deadlock:  # in the cycle a peer found: the same verdict
+                comm.abort(rank=told.rank, reason=told.report, deadlock=True)
             else:
                 comm.abort(rank=told.rank, reason=told.message)
             return
@@ -140,10 +147,28 @@ class Watchdog:
         found = comm.watchdog_check()  # also finishes the ops whose device work has completed
         if found is None and loss is not None:
             self._lost(w, comm, loss)
+        if found is None and loss is None and w.stall is not None:
+            self._deadlock(w, comm)
         if found is None:
             return
         report = str(found)
         flight_recorder.dump(comm, "watchdog", error=f"{type(found).__name__}: {report}")
+        self._report(report)
+
+    def _deadlock(self, w: _Watched, comm: "_C.Communicator") -> None:
+        """A certain wait-for cycle through this rank (stall.StallWatch): the verdict goes to the
+        peers with its cycle, whose ranks raise the same DeadlockError, then aborts here."""
+        try:
+            found = w.stall.check(comm) if w.stall is not None else None
+        except dist.DistError:
+            return  # the store failed: the peers' loss is found by PeerWatch
+        if found is None:
+            return
+        cycle, text = found
+        report = f"rank {comm.global_rank}: deadlock: {text}"
+        w.relay.publish(report, deadlock=cycle)
+        comm.abort(reason=report, deadlock=True)
+        flight_recorder.dump(comm, "watchdog", error=f"DeadlockError: {report}")
         self._report(report)
 
     def _lost(self, w: _Watched, comm: "_C.Communicator", loss: nccl.Loss) -> None:
@@ -185,7 +210,7 @@ _watchdog = Watchdog()
 atexit.register(_watchdog.stop)
 
 
-def watch(comm: "_C.Communicator", relayed: Callable[[], Optional[nccl.Relayed]],
-          peers: Optional[nccl.PeerWatch] = None) -> None:
+def watch(comm: "_C.Communicator", relay: nccl.AbortRelay, peers: Optional[nccl.PeerWatch] = None,
+          stall: Optional[StallWatch] = None) -> None:
     """Puts `comm` under the process's watchdog (see Watchdog.watch)."""
-    _watchdog.watch(comm, relayed, peers)
+    _watchdog.watch(comm, relay, peers, stall)

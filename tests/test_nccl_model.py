@@ -605,3 +605,42 @@ def test_a_launch_connecting_to_a_peer_that_posts_late_delivers():
     ranks = run_ranks("nccl_model_launch.py", 4, {"case": "connect", "peer_delay": 1.0, "timeout": 10.0})
     assert ranks[0]["send"]["type"] is None and ranks[2]["recv"]["type"] is None, ranks
     assert ranks[2]["exact"] and [r["unsafe_aborts"] for r in ranks] == [0] * 4, ranks
+
+
+# ---- deadlocks named on NCCL (megatron_p2p/stall.py) ---------------------------------------------
+
+def stalled(case: str, nproc: int, timeout: float, env: Optional[dict[str, str]] = None, **params: Any) -> list[dict]:
+    return [r["wait"] for r in run_ranks("nccl_model_stall.py", nproc, {"case": case, "timeout": timeout, **params},
+                                         env=env, timeout=timeout + 60)]
+
+
+def test_the_naive_ring_is_named_as_a_deadlock_on_every_rank_within_3_s_whatever_the_timeout():
+    for rank, wait in enumerate(stalled("ring", 3, 300.0)):
+        assert wait["type"] == "DeadlockError" and wait["elapsed"] < 3.0, (rank, wait)
+        assert "wait on each other" in wait["msg"] and "blocked on send to rank" in wait["msg"], wait["msg"]
+
+
+def test_a_ring_of_buffered_small_sends_completes_unreported():
+    for rank, wait in enumerate(stalled("ring", 3, 30.0, env={"MPFAKE_NCCL_EAGER_BYTES": "4096"}, numel=256)):
+        assert wait["type"] is None, (rank, wait)
+
+
+def test_two_ranks_sending_to_each_other_in_host_waits_are_a_deadlock():
+    for rank, wait in enumerate(stalled("send_send", 2, 300.0, numel=256)):
+        assert wait["type"] == "DeadlockError" and wait["elapsed"] < 3.0, (rank, wait)
+
+
+def test_a_send_send_cycle_through_a_rank_not_in_a_host_wait_is_only_a_timeout():
+    """Rank 1 could still post its receive: never called a deadlock before the timeout."""
+    wait = stalled("send_send", 2, 4.0, numel=256, stream_wait=True)[0]
+    assert wait["type"] == "P2PTimeoutError" and wait["elapsed"] >= 4.0, wait
+
+
+def test_a_rank_computing_for_5_s_before_posting_is_not_reported():
+    for rank, wait in enumerate(stalled("computing", 2, 60.0, numel=256, compute=5.0)):
+        assert wait["type"] is None, (rank, wait)
+
+
+def test_a_slow_transfer_is_not_reported():
+    for rank, wait in enumerate(stalled("slow", 2, 60.0, env={"MPFAKE_NCCL_DELAY_MS": "3000"}, numel=256)):
+        assert wait["type"] is None and wait["elapsed"] >= 2.5, (rank, wait)

@@ -60,18 +60,24 @@ static void comm_dealloc(CommObject *self)
 
 static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"rank", "reason", "peer_failed", NULL};
+    static char *kwlist[] = {"rank", "reason", "peer_failed", "deadlock", NULL};
     PyObject *rank_obj = Py_None;
     const char *reason = NULL;
-    int peer_failed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Ozp:abort", kwlist, &rank_obj, &reason, &peer_failed) ||
+    int peer_failed = 0, deadlock = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$Ozpp:abort", kwlist, &rank_obj, &reason, &peer_failed,
+                                     &deadlock) ||
         mp_comm_check_owner(self) < 0)
         return NULL;
+    if (peer_failed && deadlock) {
+        PyErr_SetString(PyExc_ValueError, "abort(): a cause is either a failed peer or a deadlock, not both");
+        return NULL;
+    }
     int cause = self->group_rank;
     if (rank_obj != Py_None && (cause = mp_comm_group_rank(self, rank_obj, "rank")) < 0)
         return NULL;
     int aborted_by;
-    if (!peer_failed && cause == self->group_rank && self->transport && /* it starts here: the peers first */
+    /* It starts here: the peers first (a deadlock's verdict, with its cycle, is published by its finder). */
+    if (!peer_failed && !deadlock && cause == self->group_rank && self->transport &&
         self->transport->ops->abort_cause(self->transport, &aborted_by) == MP_OK) {
         PyObject *why = PyUnicode_FromFormat("rank %d aborted the communicator%s%s",
                                              self->global_ranks[self->group_rank], reason ? ": " : "",
@@ -81,7 +87,17 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
         mp_comm_publish_abort(self, why);
         Py_DECREF(why);
     }
-    mp_comm_abort(self, peer_failed ? MP_ERR_PEER_DEAD : MP_ERR_ABORTED, cause, reason);
+    if (deadlock && reason && !self->abort_report) {
+        /* The cycle's whole report, which the transport's failure detail would cut: the ops that
+         * fail report it, with the ops as they stood, as after a watchdog abort. */
+        PyObject *pending = mp_comm_pending_report(self);
+        PyObject *report = pending ? PyUnicode_FromFormat("%s\n%U", reason, pending) : NULL;
+        Py_XDECREF(pending);
+        if (!report)
+            return NULL;
+        self->abort_report = report;
+    }
+    mp_comm_abort(self, peer_failed ? MP_ERR_PEER_DEAD : deadlock ? MP_ERR_DEADLOCK : MP_ERR_ABORTED, cause, reason);
     Py_RETURN_NONE;
 }
 
@@ -142,11 +158,12 @@ static PyMethodDef comm_methods[] = {
      "batch(ops, *, lane=0, call=None) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on "
      "`lane`, after every op issued before on it."},
     {"abort", (PyCFunction)(void (*)(void))comm_abort, METH_VARARGS | METH_KEYWORDS,
-     "abort(*, rank=None, reason=None, peer_failed=False) -> None\n\nFails every pending op here and at every "
-     "peer (an abort that starts here is published to the peers first). Idempotent. rank: the global rank whose "
-     "failure this abort passes on (default: this one), which reports name as the cause; reason: why, quoted by "
-     "the failures it causes; peer_failed: the cause is that rank's process (or the store's host) gone, so the "
-     "failures are PeerFailureError rather than P2PError."},
+     "abort(*, rank=None, reason=None, peer_failed=False, deadlock=False) -> None\n\nFails every pending op here "
+     "and at every peer (an abort that starts here is published to the peers first). Idempotent. rank: the global "
+     "rank whose failure this abort passes on (default: this one), which reports name as the cause; reason: why, "
+     "quoted by the failures it causes; peer_failed: the cause is that rank's process (or the store's host) gone, "
+     "so the failures are PeerFailureError rather than P2PError; deadlock: the cause is a wait-for cycle this rank "
+     "is in, so its failures here are DeadlockError."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
      "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
     {"stats", (PyCFunction)mp_comm_stats, METH_NOARGS,

@@ -125,6 +125,7 @@ static PyObject *get_timeout(CommObject *self, void *Py_UNUSED(c)) { return PyFl
 static PyObject *get_eager(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(self->eager_threshold); }
 static PyObject *get_backend(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->backend); }
 static PyObject *get_closed(CommObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->transport == NULL); }
+static PyObject *get_host_waiting(CommObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->host_waits > 0); }
 static PyObject *get_device(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->device); }
 static PyObject *get_id(CommObject *self, void *Py_UNUSED(c)) { return PyUnicode_FromString(self->id); }
 static PyObject *get_on_error(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->on_error ? self->on_error : Py_None); }
@@ -162,6 +163,8 @@ PyGetSetDef mp_comm_getset[] = {
      "Size of this rank's receive arena (shm; 0: none), from which empty() allocates.", NULL},
     {"device", (getter)get_device, NULL, "CUDA ordinal of the tensors it carries; -1 for CPU memory.", NULL},
     {"closed", (getter)get_closed, NULL, "True after close().", NULL},
+    {"host_waiting", (getter)get_host_waiting, NULL,
+     "True while a thread is blocked in a host wait (Request.synchronize) on it.", NULL},
     {"id", (getter)get_id, NULL, "Names this communicator: the same on all its ranks, different for every other.", NULL},
     {"on_error", (getter)get_on_error, (setter)set_on_error,
      "None, or a callable given each P2PError this communicator is about to raise (the flight recorder dumps).",

@@ -112,9 +112,11 @@ static int request_complete(RequestObject *req, double timeout)
              * exception from one leaves the op pending, for a later wait. */
             mp_blocking blocking = {0};
             mp_interrupt interrupt;
+            comm->host_waits++; /* what the NCCL stall analysis asks: this host posts nothing now */
             mp_blocking_begin(&blocking, &interrupt);
             r = t->ops->wait(t, op, deadline, &interrupt);
             mp_blocking_end(&blocking);
+            comm->host_waits--;
             mp_comm_leave(comm);
         }
         comm->wait_seconds += mp_now() - start;

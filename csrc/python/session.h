@@ -44,6 +44,7 @@ typedef struct {
     char id[20];             /* the same on every rank of this communicator: hex of its unique id */
     uint64_t sends, recvs, bytes_sent, bytes_received;
     double wait_seconds;
+    int host_waits;          /* threads blocked in a host wait (synchronize) on it now; under the GIL */
     mp_state *state;
     PyObject *weakrefs;
 } CommObject;

@@ -56,8 +56,8 @@
  *   MPFAKE_NCCL_GROUP_IN_PROGRESS_EVERY=1  ... for every group, for exactly N ms
  *   MPFAKE_NCCL_SEED=S                 seed of the random in-progress durations (default: pid)
  *   MPFAKE_NCCL_EAGER_BYTES=N          a send of at most N bytes (capped at 64 KiB) to another rank
- *                                      completes once buffered, without its receive, after that
- *                                      rank has posted a receive from this one (default 0: never)
+ *                                      completes once buffered, without its receive, once the pair
+ *                                      is connected (default 0: never)
  *   MPFAKE_NCCL_LAUNCH_ORDER_IMPLICIT=M  NCCL_LAUNCH_ORDER_IMPLICIT=1: the uncaptured kernels of all
  *                                      communicators on a device start in host launch order; M=1: each
  *                                      once the one before has finished (NCCL's serial order), M=2: once
@@ -756,19 +756,22 @@ static int recv_step(comm_t *c, const op_t *o, op_run *st)
  * the peer's side (src/enqueue.cc: p2pTaskAppend marks the connection, src/group.cc:
  * ncclP2PPreconnectFunc, src/transport.cc: ncclTransportP2pSetup exchanges with the peer). The
  * model: on, small, not to self (a self send is a copy in the kernel: src/enqueue.cc:
- * addP2pToPlan), and the peer has posted a receive from this rank before. */
-static int may_buffer(comm_t *c, const op_t *o, channel *ch)
+ * addP2pToPlan), and the pair connected (see connect_peers; a child split with splitShare uses its
+ * parent's connections, and so their buffers). */
+static int connected_to(comm_t *c, int peer);
+
+static int may_buffer(comm_t *c, const op_t *o)
 {
     size_t total = o->count * type_size(o->type);
     return c->f.eager_bytes > 0 && total <= (size_t)c->f.eager_bytes && total <= EAGER_MAX &&
-           o->peer != c->rank && atomic_load(&ch->posted) > 0;
+           o->peer != c->rank && connected_to(c, o->peer);
 }
 
 /* Describes the send to the receiver, in order, buffering its bytes when it may: 1 when that
  * completed it. 0 with st->announced unset: no free slot yet. */
 static int announce(comm_t *c, const op_t *o, op_run *st, channel *ch)
 {
-    int eager = may_buffer(c, o, ch);
+    int eager = may_buffer(c, o);
     uint64_t slot = atomic_load(&ch->eager_put);
     if (eager && slot - atomic_load(&ch->eager_taken) >= EAGER_SLOTS)
         return 0; /* every step in use: wait for the receiver to free one */

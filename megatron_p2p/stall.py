@@ -1,0 +1,125 @@
+"""Deadlocks named on NCCL, from the ranks' pending-op tables.
+
+NCCL names nothing: a wait-for cycle of point-to-point ops stalls the streams until the
+watchdog's timeout. So, once an op of an NCCL communicator has made no progress on its lane for
+MEGATRON_P2P_STALL_SECONDS (default 1), the watchdog thread publishes the rank's flight-recorder
+record (its ops, pending and recent, with their message numbers: docs/trace-format.md) through
+the store, and reads the records its peers published. The analysis is the one
+`python -m megatron_p2p.trace` runs on dumps (trace.analyse): the pending tail of every channel,
+simulated under NCCL's semantics, and the wait-for cycle it cannot get past.
+
+A cycle is a deadlock, raised as DeadlockError on every rank of it, only when nothing the hosts
+do next can resolve it: each of its ops waits on a partner that is posted (and queued behind
+another op of the cycle), or on a rank whose host is blocked in this package's host wait
+(Request.synchronize), which posts nothing until it returns. A rank that has not published,
+or is computing, or a slow transfer, is never a deadlock before the timeout. A record counts only
+once it has stayed the same for STABLE_BEATS of its rank's polls, so that ranks' pictures taken
+at different moments agree. Nothing of this runs on the posting path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from . import flight_recorder, trace
+
+ENV_SECONDS = "MEGATRON_P2P_STALL_SECONDS"
+DEFAULT_SECONDS = 1.0
+STABLE_BEATS = 3  # polls a record must stay unchanged for (the watchdog polls every 0.1 s)
+_UNFINISHED = ("posted", "matched")
+
+
+def stall_seconds() -> float:
+    """MEGATRON_P2P_STALL_SECONDS, or the default; ValueError names a wrong value."""
+    value = os.environ.get(ENV_SECONDS, "")
+    if not value:
+        return DEFAULT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{ENV_SECONDS}={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+def stalled_for(ops: list[dict[str, Any]], now: float) -> float:
+    """How long the longest-stalled lane has made no progress: its oldest unfinished op's age,
+    counted from that op's posting or the last completion on its lane, whichever is later."""
+    worst = 0.0
+    for lane in {op["lane"] for op in ops}:
+        on_lane = [op for op in ops if op["lane"] == lane]
+        waiting = [op["t_posted"] for op in on_lane if op["state"] in _UNFINISHED]
+        if not waiting:
+            continue
+        done = [op["t_completed"] for op in on_lane if op["t_completed"] is not None]
+        worst = max(worst, now - max([min(waiting)] + done))
+    return worst
+
+
+@dataclass
+class _Beat:
+    signature: str
+    beats: int
+    host_waiting: bool
+
+
+class StallWatch:
+    """One NCCL communicator's stall analysis, run by the watchdog thread (see the module)."""
+
+    def __init__(self, store: dist.Store, key: str, ranks: tuple[int, ...], rank: int,
+                 seconds: Optional[float] = None) -> None:
+        self._store, self._key, self._ranks, self._rank = store, key, ranks, rank
+        self._seconds = stall_seconds() if seconds is None else seconds
+        self._mine: Optional[_Beat] = None
+
+    def check(self, comm: Any) -> Optional[tuple[tuple[int, ...], str]]:
+        """A certain cycle this rank is in, as (its global ranks, its report), or None. Publishes
+        this rank's record while it is stalled, and withdraws it once it is not."""
+        record = flight_recorder.to_record(comm, "stall")
+        if stalled_for(record["ops"], time.time()) < self._seconds:
+            self._withdraw()
+            return None
+        self._publish(record, bool(comm.host_waiting))
+        return self._verdict()
+
+    def _publish(self, record: dict[str, Any], host_waiting: bool) -> None:
+        signature = json.dumps([record["ops"], host_waiting], sort_keys=True)
+        if self._mine is not None and self._mine.signature == signature:
+            self._mine.beats += 1
+        else:
+            self._mine = _Beat(signature, 1, host_waiting)
+            self._store.set(f"{self._key}/record/{self._rank}", json.dumps({**record, "host_waiting": host_waiting}))
+        self._store.set(f"{self._key}/beat/{self._rank}", json.dumps([self._mine.beats, host_waiting]))
+
+    def _withdraw(self) -> None:
+        if self._mine is not None:
+            self._mine = None
+            self._store.delete_key(f"{self._key}/beat/{self._rank}")
+
+    def _verdict(self) -> Optional[tuple[tuple[int, ...], str]]:
+        dumps, waiting = [], {}
+        for rank in self._ranks:
+            beat_key, record_key = f"{self._key}/beat/{rank}", f"{self._key}/record/{rank}"
+            if not self._store.check([beat_key]):
+                continue  # not stalled, or not yet: it may still post anything
+            beats, host_waiting = json.loads(self._store.get(beat_key))
+            if beats < STABLE_BEATS:
+                continue
+            record = json.loads(self._store.get(record_key))
+            if record.get("host_waiting") != host_waiting:
+                continue  # the record is being replaced
+            waiting[rank] = host_waiting
+            dumps.append(trace.dump_from_record(record, Path(f"rank{rank}.stall")))
+        if self._rank not in waiting:
+            return None
+        for cycle in trace.analyse(dumps).findings("cycle"):
+            if self._rank in cycle.ranks and all(waiting.get(r, False) for r in cycle.unposted):
+                return cycle.ranks, cycle.text
+        return None
