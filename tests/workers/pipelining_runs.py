@@ -124,6 +124,49 @@ def same_bits(a, b):
         for x, y in zip(a[k], b[k])) for k in keys} | {f"n_{k}": len(a[k]) for k in keys}
 
 
+def peers(torch, dist, mp):
+    """torch's peer arguments and blocking calls on ranks 0 and 1; the object-list wire bytes of
+    torch's own (over gloo) and ours, read raw on rank 1."""
+    me, other = dist.get_rank(), 1 - dist.get_rank()
+    res = {}
+    by_global = mp.P2POp(dist.isend, torch.ones(1), other)
+    by_group = mp.P2POp(dist.irecv, torch.ones(1), group_peer=other)
+    res["group_peer_filled"] = [by_global.group_peer, by_group.peer]
+    res["not_a_member"] = harness.caught(lambda: mp.P2POp(dist.isend, torch.ones(1), 5))
+    t = torch.full((3,), float(me))
+    buf = torch.empty(3)
+    reqs = [mp.isend(t, group_dst=other), mp.irecv(buf, group_src=other)] if me == 0 else \
+        [mp.irecv(buf, group_src=other), mp.isend(t, group_dst=other)]
+    for r in reqs:
+        r.wait()
+    res["group_dst_src"] = buf.tolist()
+    if me == 0:
+        mp.send(t, 1)
+        res["recv_returns"] = mp.recv(buf, group_src=1)
+    else:
+        res["recv_returns"] = mp.recv(buf, 0)
+        mp.send(t, group_dst=0)
+    objs = [{"shape": (2, 3), "dtype": "float32"}, "x" * 300, None]
+    raw = {}
+    for who, send_objs in (("torch", dist.send_object_list), ("ours", mp.send_object_list)):
+        recv_raw = dist.recv if who == "torch" else mp.recv
+        if me == 0:
+            send_objs(objs, dst=1)
+        else:
+            sizes = torch.empty(len(objs), dtype=torch.int64)
+            recv_raw(sizes, 0)
+            data = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+            recv_raw(data, 0)
+            raw[who] = [sizes.tolist(), data.numpy().tobytes().hex()]
+    res["wire"] = raw
+    got = [None] * len(objs)
+    if me == 0:
+        mp.send_object_list(objs, group_dst=1, use_batch=True)
+    else:
+        res["object_list"] = {"sender": mp.recv_object_list(got, src=0), "equal": got == objs}
+    return res
+
+
 def body(params):
     import torch
     import torch.distributed as dist
@@ -134,8 +177,12 @@ def body(params):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    comm = mp.register_communicator(mp.init_communicator(timeout=params["timeout"]))
     out = {"runs": {}}
+    with mp.patch_pipelining():  # no communicator yet: the first-step vote's first call says so
+        out["no_comm"] = harness.caught(lambda: run_once(torch, nn, pipelining, params["configs"][0], seed=7))
+    comm = mp.register_communicator(mp.init_communicator(timeout=params["timeout"]))
+    if params.get("peers"):
+        out["peers"] = peers(torch, dist, mp)
 
     def sent():
         stats = comm.stats()
