@@ -6,6 +6,7 @@ first use lets ranks reach it in different orders and hang (Megatron-LM PR #5240
 per group up front with `init_communicator(group)` (keep it) or `register_communicator`."""
 from __future__ import annotations
 
+import operator
 import pickle
 from typing import Any, Callable, Optional, Sequence
 
@@ -97,7 +98,9 @@ def _peer(comm: Communicator, peer: Optional[int], group_peer: Optional[int], na
 def _group_rank(comm: Communicator, peer: int, name: str) -> int:
     """`peer`'s rank within the communicator's group."""
     try:
-        return list(comm.ranks).index(peer)
+        return list(comm.ranks).index(operator.index(peer))
+    except TypeError:
+        raise TypeError(f"{name} must be an int (a global rank), not {type(peer).__name__}") from None
     except ValueError:
         raise ValueError(f"{name}={peer} is not a member of the group (global ranks {list(comm.ranks)})") from None
 

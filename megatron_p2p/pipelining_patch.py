@@ -41,7 +41,8 @@ def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 class _StagedReceive:
     """A posted receive into a non-contiguous buffer: the message lands in a contiguous staging
-    tensor, copied into the buffer by the first wait(). Otherwise it is the Request."""
+    tensor, copied into the buffer by the first wait() (so the buffer holds it after wait(), as
+    torch's code expects). Otherwise it is the Request."""
 
     def __init__(self, request: ops.Request, staging: torch.Tensor, buffer: torch.Tensor):
         self._request, self._staging, self._buffer = request, staging, buffer
@@ -109,14 +110,15 @@ def _proxy(comm: Optional[ops.Communicator]) -> ModuleType:
             self.op = op
 
     def batch_isend_irecv(p2p_op_list: Sequence[ops.P2POp]) -> list[Any]:
+        plain, staged = [], []
         for i, p in enumerate(p2p_op_list):
             if not isinstance(p, ops.P2POp):
                 raise TypeError(f"p2p_op_list[{i}] must be a megatron_p2p P2POp, not {type(p).__name__}")
-        staged = [None if p.is_send else _staged(p.tensor) for p in p2p_op_list]
-        plain = [p if s is None and _contiguous(p.tensor) is p.tensor else
-                 ops.P2POp(ops.isend if p.is_send else ops.irecv, _contiguous(p.tensor) if p.is_send else s,
-                           p.peer, tag=p.tag, comm=p.comm)
-                 for p, s in zip(p2p_op_list, staged)]
+            staging = None if p.is_send else _staged(p.tensor)
+            wire = _contiguous(p.tensor) if staging is None else staging
+            staged.append(staging)
+            plain.append(p if wire is p.tensor else
+                         ops.P2POp(ops.isend if p.is_send else ops.irecv, wire, p.peer, tag=p.tag, comm=p.comm))
         reqs = ops.batch_isend_irecv(plain)
         return [r if s is None else _StagedReceive(r, s, p.tensor) for r, s, p in zip(reqs, staged, p2p_op_list)]
 
@@ -130,11 +132,12 @@ def _proxy(comm: Optional[ops.Communicator]) -> ModuleType:
                          group_src: Optional[int] = None, use_batch: bool = False) -> int:
         return ops.recv_object_list(object_list, src, group, device, group_src, use_batch, comm=comm)
 
-    for name in P2P_NAMES:
-        fn = locals()[name]
-        if name != "P2POp":
-            fn.__doc__ = f"torch.distributed.{name}'s signature, over megatron_p2p (see megatron_p2p.ops.{name})."
+    functions = {"isend": isend, "irecv": irecv, "batch_isend_irecv": batch_isend_irecv, "send": send,
+                 "recv": recv, "send_object_list": send_object_list, "recv_object_list": recv_object_list}
+    for name, fn in functions.items():
+        fn.__doc__ = f"torch.distributed.{name}'s signature, over megatron_p2p (see megatron_p2p.ops.{name})."
         setattr(proxy, name, fn)
+    proxy.P2POp = P2POp
     return proxy
 
 
