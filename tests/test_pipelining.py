@@ -102,8 +102,8 @@ def test_defer_pp_recv_cycle_raises_deadlock_error_naming_it_within_a_second(job
 
 def test_defer_pp_recv_misdelivery_is_silent_on_gloo_and_stopped_here(jobs):
     """ZBVZeroBubble, pp=2, 4 microbatches, defer_pp_recv=True, all widths equal: gloo completes
-    with other losses or gradients (activations landed in gradient buffers); megatron_p2p raises
-    DeadlockError before a message reaches a wrong buffer."""
+    with other losses or gradients (messages landed in the wrong buffers, silently); under strict
+    rendezvous the reordering is a cycle, and megatron_p2p raises DeadlockError."""
     gloo = [res["defer"]["ZBVZeroBubble spr2 mb4 uniform"]["gloo"] for res in jobs[2]]
     assert any(not (g["losses"] and g["grads"]) for g in gloo), gloo
     for res in jobs[2]:
