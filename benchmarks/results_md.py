@@ -20,7 +20,8 @@ BEFORE = Path(__file__).resolve().parent / "before.json"
 NOT_MEASURED = "not measured in this run"
 # Sections of RESULTS.md written by other benchmarks, by hand from their output: kept as they are
 # when this file is rewritten (placed before the plots).
-CARRIED = ("## Host cost per exchange on the NCCL path (model)",)
+CARRIED = ("## Host cost per exchange on the NCCL path (model)",
+           "## torch.distributed.pipelining: Interleaved1F1B step")
 
 
 def carried_sections(md_path: Path) -> str:

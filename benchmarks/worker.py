@@ -29,6 +29,7 @@ import bandwidth  # noqa: E402
 import latency  # noqa: E402
 import overhead  # noqa: E402
 import pipeline  # noqa: E402
+import pipelining  # noqa: E402
 import stock  # noqa: E402
 
 
@@ -70,7 +71,8 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-SECTIONS = {"latency": latency.run, "overhead": overhead.run, "bandwidth": bandwidth.run, "pipeline": pipeline.run}
+SECTIONS = {"latency": latency.run, "overhead": overhead.run, "bandwidth": bandwidth.run, "pipeline": pipeline.run,
+            "pipelining": pipelining.run}
 REPEATED_HERE = ("latency", "overhead")
 
 if __name__ == "__main__":

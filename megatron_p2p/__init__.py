@@ -33,8 +33,15 @@ Megatron drop-in (megatron-core 0.14+ and the older module-level functions):
 - patch_megatron() / unpatch_megatron(): swap it (and the legacy functions) wherever
   megatron-core binds them, and back; `with patch_megatron():` does both;
 - megatron_p2p.p2p_communication: _p2p_ops, _batched_p2p_ops and the legacy functions;
-- isend / irecv / batch_isend_irecv / P2POp take torch.distributed's signatures, finding the
-  communicator of `group` (create it first: init_communicator(group), or register_communicator).
+- isend / irecv / batch_isend_irecv / P2POp / send / recv / send_object_list / recv_object_list
+  take torch.distributed's signatures, finding the communicator of `group` (create it first:
+  init_communicator(group), or register_communicator).
+
+torch.distributed.pipelining (GPipe, 1F1B, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble,
+ZBVZeroBubble, DualPipeV):
+- patch_pipelining(comm=None) / unpatch_pipelining(): every point-to-point call its schedules and
+  stages make goes over megatron_p2p (the communicator `comm`, or each group's registered one);
+  nothing else in torch.distributed changes; `with patch_pipelining():` does both.
 """
 from ._C import (
     BackendUnavailableError,
@@ -49,7 +56,19 @@ from ._C import (
 from .communicator import init_communicator
 from .nccl import NcclVersion, nccl_version
 from .megatron_patch import patch_megatron, unpatch_megatron
-from .ops import P2POp, batch_isend_irecv, get_communicator, irecv, isend, register_communicator
+from .ops import (
+    P2POp,
+    batch_isend_irecv,
+    get_communicator,
+    irecv,
+    isend,
+    recv,
+    recv_object_list,
+    register_communicator,
+    send,
+    send_object_list,
+)
+from .pipelining_patch import patch_pipelining, unpatch_pipelining
 from .p2p_communication import P2PCommunicator
 
 __all__ = [
@@ -71,6 +90,12 @@ __all__ = [
     "isend",
     "nccl_version",
     "patch_megatron",
+    "patch_pipelining",
+    "recv",
+    "recv_object_list",
     "register_communicator",
+    "send",
+    "send_object_list",
     "unpatch_megatron",
+    "unpatch_pipelining",
 ]

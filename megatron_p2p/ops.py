@@ -6,6 +6,8 @@ first use lets ranks reach it in different orders and hang (Megatron-LM PR #5240
 per group up front with `init_communicator(group)` (keep it) or `register_communicator`."""
 from __future__ import annotations
 
+import operator
+import pickle
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -93,6 +95,16 @@ def _peer(comm: Communicator, peer: Optional[int], group_peer: Optional[int], na
     return comm.ranks[group_peer]  # type: ignore[index]
 
 
+def _group_rank(comm: Communicator, peer: int, name: str) -> int:
+    """`peer`'s rank within the communicator's group."""
+    try:
+        return list(comm.ranks).index(operator.index(peer))
+    except TypeError:
+        raise TypeError(f"{name} must be an int (a global rank), not {type(peer).__name__}") from None
+    except ValueError:
+        raise ValueError(f"{name}={peer} is not a member of the group (global ranks {list(comm.ranks)})") from None
+
+
 def isend(
     tensor: torch.Tensor,
     dst: Optional[int] = None,
@@ -155,8 +167,9 @@ class P2POp:
         self.group = group
         self.tag = tag
         self.comm = _resolve(group, comm, tag, "P2POp")
-        self.group_peer = group_peer
         self.peer = _peer(self.comm, peer, group_peer, ("peer", "group_peer"))
+        # Filled as torch's is: torch's own code passes it on as group_dst= / group_src=.
+        self.group_peer = _group_rank(self.comm, self.peer, "peer") if group_peer is None else group_peer
 
     def __repr__(self) -> str:
         kind = "isend" if self.is_send else "irecv"
@@ -175,3 +188,89 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Request]:
     if any(p.comm is not comm for p in p2p_op_list):
         raise ValueError("every P2POp in one batch must use the same communicator")
     return comm.batch([(p.is_send, p.tensor, p.peer) for p in p2p_op_list])
+
+
+def send(
+    tensor: torch.Tensor,
+    dst: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    tag: int = 0,
+    group_dst: Optional[int] = None,
+    *,
+    comm: Optional[Communicator] = None,
+) -> None:
+    """torch.distributed.send's signature: isend, then wait."""
+    isend(tensor, dst, group, tag, group_dst, comm=comm).wait()
+
+
+def recv(
+    tensor: torch.Tensor,
+    src: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    tag: int = 0,
+    group_src: Optional[int] = None,
+    *,
+    comm: Optional[Communicator] = None,
+) -> int:
+    """torch.distributed.recv's signature: irecv, then wait. Returns the sender's global rank."""
+    req = irecv(tensor, src, group, tag, group_src, comm=comm)
+    req.wait()
+    return req.peer
+
+
+def _object_device(comm: Communicator, device: "torch.device | str | None") -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cpu") if comm.device < 0 else torch.device("cuda", comm.device)
+
+
+def send_object_list(
+    object_list: list[Any],
+    dst: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    device: "torch.device | str | None" = None,
+    group_dst: Optional[int] = None,
+    use_batch: bool = False,
+    *,
+    comm: Optional[Communicator] = None,
+) -> None:
+    """torch.distributed.send_object_list's signature and wire format: one int64 size per
+    object, then the pickles concatenated as uint8, two messages. `use_batch` is accepted and
+    changes nothing (a group of one op is that op here). Pickle: send only to trusted peers."""
+    c = _resolve(group, comm, 0, "send_object_list")
+    peer = _peer(c, dst, group_dst, ("dst", "group_dst"))
+    dev = _object_device(c, device)
+    payloads = [pickle.dumps(obj) for obj in object_list]
+    sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=dev)
+    joined = bytearray(b"".join(payloads))
+    data = (torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)).to(dev)
+    c.isend(sizes, peer).wait()
+    c.isend(data, peer).wait()
+
+
+def recv_object_list(
+    object_list: list[Any],
+    src: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    device: "torch.device | str | None" = None,
+    group_src: Optional[int] = None,
+    use_batch: bool = False,
+    *,
+    comm: Optional[Communicator] = None,
+) -> int:
+    """torch.distributed.recv_object_list's signature and wire format (see send_object_list):
+    fills `object_list` in place, which must be as long as the sender's, and returns the
+    sender's global rank. Unpickles what arrives: receive only from trusted peers."""
+    c = _resolve(group, comm, 0, "recv_object_list")
+    peer = _peer(c, src, group_src, ("src", "group_src"))
+    dev = _object_device(c, device)
+    sizes = torch.empty(len(object_list), dtype=torch.int64, device=dev)
+    c.irecv(sizes, peer).wait()
+    data = torch.empty(int(sizes.sum().item()), dtype=torch.uint8, device=dev)
+    c.irecv(data, peer).wait()
+    raw = data.cpu().numpy().tobytes()
+    offset = 0
+    for i, size in enumerate(sizes.tolist()):
+        object_list[i] = pickle.loads(raw[offset:offset + size])
+        offset += size
+    return peer

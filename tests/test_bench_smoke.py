@@ -68,3 +68,16 @@ def test_quick_benchmark_writes_complete_results(tmp_path):
     assert "| size |" in proc.stdout  # the printed table
     for name in ("latency.png", "bandwidth.png", "step_time.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE, name
+
+
+def test_pipelining_benchmark_writes_its_figures(tmp_path):
+    """benchmarks/pipelining.py at its smallest (pp 2, one round of one step): both contenders
+    timed, and their ratio."""
+    out = tmp_path / "pipelining.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipelining.py"), "--pp", "2", "--rounds", "1",
+                           "--steps", "1", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    [r] = json.loads(out.read_text())
+    assert r["pp"] == 2 and r["microbatches"] == 4 and r["activation_bytes"] == 8 << 20
+    assert set(r["step_ms"]) == {"gloo", "megatron_p2p"} and all(_positive(v) for v in r["step_ms"].values())
+    assert _positive(r["ratio"]) and r["ratio"] == r["step_ms"]["gloo"] / r["step_ms"]["megatron_p2p"]
