@@ -85,9 +85,12 @@ class StallWatch:
         record = flight_recorder.to_record(comm, "stall")
         if stalled_for(record["ops"], time.time()) < self._seconds:
             self._withdraw()
+            comm.group_picture = None
             return None
         self._publish(record, bool(comm.host_waiting))
-        return self._verdict()
+        report, verdict = self._analyse()
+        comm.group_picture = _picture(report, self._ranks)
+        return verdict
 
     def _publish(self, record: dict[str, Any], host_waiting: bool) -> None:
         signature = json.dumps([record["ops"], host_waiting], sort_keys=True)
@@ -103,7 +106,8 @@ class StallWatch:
             self._mine = None
             self._store.delete_key(f"{self._key}/beat/{self._rank}")
 
-    def _verdict(self) -> Optional[tuple[tuple[int, ...], str]]:
+    def _analyse(self) -> tuple[trace.Report, Optional[tuple[tuple[int, ...], str]]]:
+        """The analysis of the stable records, and the verdict on a certain cycle through this rank."""
         dumps, waiting = [], {}
         for rank in self._ranks:
             beat_key, record_key = f"{self._key}/beat/{rank}", f"{self._key}/record/{rank}"
@@ -118,8 +122,38 @@ class StallWatch:
             waiting[rank] = host_waiting
             dumps.append(trace.dump_from_record(record, Path(f"rank{rank}.stall")))
         if self._rank not in waiting:
-            return None
-        for cycle in trace.analyse(dumps).findings("cycle"):
+            return trace.Report([]), None
+        report = trace.analyse(dumps)
+        for cycle in report.findings("cycle"):
             if self._rank in cycle.ranks and all(waiting.get(r, False) for r in cycle.unposted):
-                return cycle.ranks, cycle.text
+                return report, (cycle.ranks, _as_shm_report(cycle))
+        return report, None
+
+
+def _picture(report: trace.Report, ranks: tuple[int, ...]) -> Optional[str]:
+    """The group as the stalled ranks published it: what each has not posted, and who published
+    nothing (computing, or not stalled)."""
+    if not report.communicators:
         return None
+    c = report.communicators[0]
+    lines = [f"the group as its stalled ranks published it ({c.dumps} of {len(ranks)} ranks):"]
+    quiet = [r for f in c.findings if f.kind == "missing" for r in f.ranks]
+    for f in c.findings:
+        if f.kind == "missing":
+            continue
+        head, *rest = f.text.split("\n")
+        lines.append(f"  {f.kind}: {head}")
+        lines.extend(f"    {line}" for line in rest)
+    if quiet:
+        lines.append(f"  ranks {', '.join(map(str, quiet))} published nothing: not stalled (computing, or waiting "
+                     "outside this communicator)")
+    return "\n".join(lines)
+
+
+def _as_shm_report(cycle: trace.Finding) -> str:
+    """The cycle in the words of shm's deadlock report (csrc/shm/deadlock.c), one line per rank."""
+    chain = " -> ".join(map(str, cycle.ranks + cycle.ranks[:1]))
+    lines = cycle.text.split("\n")[1:]
+    return (f"deadlock: ranks {chain} are each blocked in a wait that needs the next one to post an op, or "
+            "whose partner is queued behind the cycle; this wait-for cycle can never resolve:\n"
+            + "\n".join(f"  {line}" for line in lines))

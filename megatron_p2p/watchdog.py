@@ -165,7 +165,7 @@ class Watchdog:
         if found is None:
             return
         cycle, text = found
-        report = f"rank {comm.global_rank}: deadlock: {text}"
+        report = f"rank {comm.global_rank}: {text}"
         w.relay.publish(report, deadlock=cycle)
         comm.abort(reason=report, deadlock=True)
         flight_recorder.dump(comm, "watchdog", error=f"DeadlockError: {report}")

@@ -617,7 +617,7 @@ def stalled(case: str, nproc: int, timeout: float, env: Optional[dict[str, str]]
 def test_the_naive_ring_is_named_as_a_deadlock_on_every_rank_within_3_s_whatever_the_timeout():
     for rank, wait in enumerate(stalled("ring", 3, 300.0)):
         assert wait["type"] == "DeadlockError" and wait["elapsed"] < 3.0, (rank, wait)
-        assert "wait on each other" in wait["msg"] and "blocked on send to rank" in wait["msg"], wait["msg"]
+        assert "this wait-for cycle can never resolve" in wait["msg"] and "blocked on send to rank" in wait["msg"], wait["msg"]
 
 
 def test_a_ring_of_buffered_small_sends_completes_unreported():
@@ -634,6 +634,9 @@ def test_a_send_send_cycle_through_a_rank_not_in_a_host_wait_is_only_a_timeout()
     """Rank 1 could still post its receive: never called a deadlock before the timeout."""
     wait = stalled("send_send", 2, 4.0, numel=256, stream_wait=True)[0]
     assert wait["type"] == "P2PTimeoutError" and wait["elapsed"] >= 4.0, wait
+    # the timeout's report carries the group's side: rank 1's send, which nobody receives either
+    assert "the group as its stalled ranks published it (2 of 2 ranks)" in wait["msg"], wait["msg"]
+    assert "send to rank 0" in wait["msg"].split("the group as its stalled ranks")[1], wait["msg"]
 
 
 def test_a_rank_computing_for_5_s_before_posting_is_not_reported():

@@ -49,6 +49,7 @@ static void comm_dealloc(CommObject *self)
     Py_XDECREF(self->on_abort);
     Py_XDECREF(self->on_error);
     Py_XDECREF(self->abort_report);
+    Py_XDECREF(self->group_picture);
     PyMem_Free(self->trace);
     PyMem_Free(self->global_ranks);
     PyMem_Free(self->send_seq);

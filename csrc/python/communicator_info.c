@@ -130,6 +130,21 @@ static PyObject *get_device(CommObject *self, void *Py_UNUSED(c)) { return PyLon
 static PyObject *get_id(CommObject *self, void *Py_UNUSED(c)) { return PyUnicode_FromString(self->id); }
 static PyObject *get_on_error(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->on_error ? self->on_error : Py_None); }
 
+static PyObject *get_group_picture(CommObject *self, void *Py_UNUSED(c))
+{
+    return Py_NewRef(self->group_picture ? self->group_picture : Py_None);
+}
+
+static int set_group_picture(CommObject *self, PyObject *value, void *Py_UNUSED(c))
+{
+    if (value && value != Py_None && !PyUnicode_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "group_picture must be a str or None, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    Py_XSETREF(self->group_picture, value && value != Py_None ? Py_NewRef(value) : NULL);
+    return 0;
+}
+
 static int set_on_error(CommObject *self, PyObject *value, void *Py_UNUSED(c))
 {
     if (value && value != Py_None && !PyCallable_Check(value)) {
@@ -166,6 +181,9 @@ PyGetSetDef mp_comm_getset[] = {
     {"host_waiting", (getter)get_host_waiting, NULL,
      "True while a thread is blocked in a host wait (Request.synchronize) on it.", NULL},
     {"id", (getter)get_id, NULL, "Names this communicator: the same on all its ranks, different for every other.", NULL},
+    {"group_picture", (getter)get_group_picture, (setter)set_group_picture,
+     "None, or what the stalled ranks of the group have pending (NCCL's stall analysis sets it): a timeout's "
+     "report ends with it.", NULL},
     {"on_error", (getter)get_on_error, (setter)set_on_error,
      "None, or a callable given each P2PError this communicator is about to raise (the flight recorder dumps).",
      NULL},

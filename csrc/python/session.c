@@ -138,6 +138,8 @@ PyObject *mp_comm_pending_report(CommObject *self)
     PyObject *body = nl ? PyUnicode_Join(nl, lines) : NULL;
     PyObject *out = head && body ? PyUnicode_FromFormat(PyList_GET_SIZE(lines) ? "%U\n%U" : "%U%U", head, body)
                                  : NULL;
+    if (out && self->group_picture) /* the peers' side, where a stall analysis has it */
+        Py_SETREF(out, PyUnicode_FromFormat("%U\n%U", out, self->group_picture));
     Py_XDECREF(head);
     Py_XDECREF(nl);
     Py_XDECREF(body);

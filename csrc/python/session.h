@@ -39,6 +39,7 @@ typedef struct {
     PyObject *on_abort;      /* called with a message when this rank aborts the communicator */
     PyObject *on_error;      /* called with each P2PError about to be raised (the flight recorder dumps) */
     PyObject *abort_report;  /* str: what the watchdog found when it aborted the communicator, or NULL */
+    PyObject *group_picture; /* str: what the stalled ranks published (NCCL's stall analysis), or NULL */
     mp_trace *trace;
     uint64_t calls;          /* API calls that posted ops: exchange, isend, irecv, batch */
     char id[20];             /* the same on every rank of this communicator: hex of its unique id */
