@@ -387,6 +387,13 @@ const char *ncclGetLastError(comm_t *comm)
 
 static void complete_job(comm_t *c);
 
+/* Marks a call on `c` for ncclCommAbort's check of its condition. */
+static void enter_call(comm_t *c, int by)
+{
+    if (c)
+        atomic_fetch_add(&c->in_call, by);
+}
+
 /* A usable communicator, or the error its use is. */
 static ncclResult_t usable(comm_t *c, const char *call)
 {
@@ -1296,16 +1303,20 @@ static ncclResult_t close_group(void)
                 : first->f.group_in_progress_every ? first->f.group_in_progress_ms
                 : random_below(1) ? random_below(first->f.group_in_progress_ms) : 0;
     if (!nonblocking || (delay <= 0 && !first->f.group_thread)) { /* see MPFAKE_NCCL_GROUP_THREAD */
-        for (int k = 0; k < l->ntasks; k++)
-            atomic_fetch_add(&l->tasks[k]->comm->in_call, 1);
+        /* On the caller's thread: a call on each communicator until it returns (launch() hands
+         * the tasks on, so their communicators are kept here). */
         int ntasks = l->ntasks;
         comm_t **comms = calloc((size_t)(unsigned)ntasks, sizeof *comms);
-        for (int k = 0; comms && k < ntasks; k++)
-            comms[k] = l->tasks[k]->comm; /* launch() hands the tasks on */
+        if (!comms) {
+            free_launch(l);
+            return ncclSystemError;
+        }
+        for (int k = 0; k < ntasks; k++)
+            enter_call(comms[k] = l->tasks[k]->comm, 1);
         ncclResult_t r = launch_group(l);
         free_launch(l);
-        for (int k = 0; comms && k < ntasks; k++)
-            atomic_fetch_sub(&comms[k]->in_call, 1);
+        for (int k = 0; k < ntasks; k++)
+            enter_call(comms[k], -1);
         free(comms);
         return r;
     }
@@ -1338,13 +1349,6 @@ static ncclResult_t post_op(int is_send, const void *buf, size_t count, int type
     if (r != ncclSuccess)
         group_error = r;
     return r;
-}
-
-/* Marks a call on `c` for ncclCommAbort's check of its condition. */
-static void enter_call(comm_t *c, int by)
-{
-    if (c)
-        atomic_fetch_add(&c->in_call, by);
 }
 
 ncclResult_t ncclSend(const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)

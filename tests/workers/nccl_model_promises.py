@@ -429,18 +429,24 @@ def split(parent: p, rank: int, share: int) -> tuple[int, int, p]:
     return answer, state, child
 
 
-def connecting_pair(share: int) -> dict:
-    uid2 = UniqueId()
-    assert nccl.ncclGetUniqueId(ctypes.byref(uid2)) == 0
+def split_pair(share: int) -> tuple[list, list, list, list]:
+    """Two ranks (one context each) of a nonblocking parent, each split into a blocking child:
+    (split answers, parents, children, streams)."""
+    the_uid = UniqueId()
+    assert nccl.ncclGetUniqueId(ctypes.byref(the_uid)) == 0
     contexts, streams, parents = [ctx, ctx1], [], []
     for r in range(2):
         assert cuda.cuCtxSetCurrent(contexts[r]) == 0
-        parents.append(new_comm(2, r, uid2, blocking=False))
+        parents.append(new_comm(2, r, the_uid, blocking=False))
         streams.append(new_stream())
     for c in parents:
         assert settled(c) == 0
     answers = both_ranks(lambda r: split(parents[r], r, share), contexts)
-    children = [a[2] for a in answers]
+    return answers, parents, [a[2] for a in answers], streams
+
+
+def connecting_pair(share: int) -> dict:
+    answers, parents, children, streams = split_pair(share)
     result = {"split_answer": answers[0][0], "parent_during_split": answers[0][1],
               "child_delivered": all(c.value for c in children)}
     # Rank 0 launches a send to rank 1, which has not reached the connection: the launch waits.
@@ -475,16 +481,8 @@ def connecting_pair(share: int) -> dict:
 
 def connected_pair() -> dict:
     """Both ranks launch their side: the blocking child's launch connects, delivers, starts no thread."""
-    uid3 = UniqueId()
-    assert nccl.ncclGetUniqueId(ctypes.byref(uid3)) == 0
-    contexts, streams, parents = [ctx, ctx1], [], []
-    for r in range(2):
-        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
-        parents.append(new_comm(2, r, uid3, blocking=False))
-        streams.append(new_stream())
-    for c in parents:
-        assert settled(c) == 0
-    children = [a[2] for a in both_ranks(lambda r: split(parents[r], r, 1), contexts)]
+    contexts = [ctx, ctx1]
+    _, parents, children, streams = split_pair(1)
     bufs = [(ctypes.c_uint8 * 8)(*range(8)), (ctypes.c_uint8 * 8)()]
     before = nccl.mpfake_nccl_group_threads()
     answers = both_ranks(lambda r: group([(1 - r, bufs[r], 1 - r, children[r], streams[r])]), contexts)
