@@ -166,6 +166,55 @@ def check_high_priority_lanes_and_one_lane_work() -> None:
         comm.close()
 
 
+def threads_started_by(fn) -> int:
+    """Threads that appeared in this process (Linux task ids) while fn() ran, ended or not."""
+    import threading
+
+    seen: set[int] = set(int(t) for t in os.listdir("/proc/self/task"))
+    before, stop = set(seen), threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.update(int(t) for t in os.listdir("/proc/self/task"))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        stop.set()
+        sampler.join()
+    return len(seen - before - {sampler.native_id})
+
+
+def check_steady_state_exchanges_start_no_thread_and_nonblocking_data_comms_do() -> None:
+    """The data path's blocking children (README, "Communicator mode"): posting 200 exchanges
+    starts no thread; with NCCL_COMM_BLOCKING=0 NCCL starts one per group end (src/group.cc)."""
+    a, b = torch.arange(1024.0, device="cuda"), torch.zeros(1024, device="cuda")
+    counts = {}
+    for forced in (None, "0"):
+        if forced is not None:
+            os.environ["NCCL_COMM_BLOCKING"] = forced
+        try:
+            comm = communicator()
+            for r in comm.exchange(send_next=a, recv_prev=b).values():  # connections made
+                r.synchronize(timeout=30.0)
+
+            def exchanges() -> None:
+                for _ in range(200):
+                    for r in comm.exchange(send_next=a, recv_prev=b, mode="parity").values():
+                        r.wait()
+                torch.cuda.synchronize()
+
+            counts[forced] = threads_started_by(exchanges)
+            comm.close()
+        finally:
+            os.environ.pop("NCCL_COMM_BLOCKING", None)
+    print(f"threads started over 200 exchanges: blocking children {counts[None]}, nonblocking {counts['0']}")
+    assert counts[None] == 0, counts
+    assert counts["0"] > 0, counts
+
+
 CHECKS = [value for name, value in sorted(globals().items()) if name.startswith("check_")]
 
 
