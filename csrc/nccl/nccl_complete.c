@@ -20,11 +20,22 @@ static void finish_op(mp_op *op, mp_result r, const char *detail)
 
 void nccl_finish_steps(mp_step *s, mp_result r, const char *detail)
 {
-    while (s) {
-        mp_step *next = s->next;
+    nccl_finish_ops(s, r, detail);
+    nccl_free_steps(s);
+}
+
+void nccl_finish_ops(mp_step *s, mp_result r, const char *detail)
+{
+    for (; s; s = s->next)
         for (int i = 0; i < s->nops; i++)
             if (s->ops[i])
                 finish_op(s->ops[i], r, detail);
+}
+
+void nccl_free_steps(mp_step *s)
+{
+    while (s) {
+        mp_step *next = s->next;
         free(s);
         s = next;
     }

@@ -71,6 +71,7 @@ typedef struct {
     int launch_lane;
     double launch_began;
     pthread_cond_t launched;
+    mp_step *retired;        /* steps an abort failed while the launch read them: freed when it returns */
     mp_result cause;
     int cause_rank;
     char cause_detail[MP_DETAIL_LEN];
@@ -120,7 +121,9 @@ mp_result nccl_end(mp_transport *t);
 mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream);
 
 /* nccl_complete.c */
-void nccl_finish_steps(mp_step *s, mp_result r, const char *detail);
+void nccl_finish_steps(mp_step *s, mp_result r, const char *detail); /* finishes their ops, frees them */
+void nccl_finish_ops(mp_step *s, mp_result r, const char *detail);
+void nccl_free_steps(mp_step *s);
 mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int watch_abort);
 void nccl_progress_locked(nccl_t *n);
 void nccl_check_async_locked(nccl_t *n);

@@ -96,7 +96,13 @@ static void fail_all(nccl_t *n, mp_result r, const char *detail)
 {
     for (int l = 0; l < n->base.nlanes; l++) {
         lane_t *lane = &n->lanes[l];
-        nccl_finish_steps(lane->open_head, r, detail);
+        if (n->launching && lane->open_head) { /* the posting thread reads them until its launch returns */
+            nccl_finish_ops(lane->open_head, r, detail);
+            lane->open_tail->next = n->retired;
+            n->retired = lane->open_head;
+        } else {
+            nccl_finish_steps(lane->open_head, r, detail);
+        }
         lane->open_head = lane->open_tail = NULL;
         while (lane->head) {
             fence *f = lane->head;
@@ -227,6 +233,7 @@ void nccl_release(nccl_t *n)
             n->cu->MemFree(n->scratch);
         nccl_leave(n, saved);
     }
+    nccl_free_steps(n->retired);
     if (n->ctx_retained)
         n->cu->DevicePrimaryCtxRelease(n->device);
     pthread_cond_destroy(&n->launched);

@@ -125,7 +125,8 @@ static mp_ncclResult_t issue_step(issuing *i, const void *step)
 /* Runs `group` (one NCCL group on lane `l`) with the lock released: a blocking launch waits for
  * any peer it connects to, and an abort, the watchdog and progress must not wait behind it. The
  * issue lock, held, keeps every other poster out; the lane's communicator is not aborted before
- * the launch returns (nccl_reaper.c). A nonblocking communicator's launch is settled here.
+ * the launch returns (nccl_reaper.c), nor are the steps it reads freed (fail_all retires them).
+ * A nonblocking communicator's launch is settled here.
  * Lock and issue lock held, and held again on return; MP_NCCL_ABORTED if an abort came meanwhile. */
 static mp_ncclResult_t launch_locked(nccl_t *n, int l, mp_ncclResult_t (*group)(issuing *, const void *),
                                      const void *arg)
@@ -140,6 +141,8 @@ static mp_ncclResult_t launch_locked(nccl_t *n, int l, mp_ncclResult_t (*group)(
         r = nccl_settle(n, i.comm, mp_now() + n->timeout, 1);
     pthread_mutex_lock(&n->lock);
     n->launching = 0;
+    nccl_free_steps(n->retired);
+    n->retired = NULL;
     pthread_cond_broadcast(&n->launched);
     return n->cause != MP_OK ? MP_NCCL_ABORTED : r;
 }
