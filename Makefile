@@ -58,9 +58,12 @@ build/fakes/libcuda.so.1: tests/fakes/libcuda.c tests/fakes/mpfake.h
 	mkdir -p $(@D)
 	$(CC) $(FAKE_CFLAGS) -Wl,-soname,libcuda.so.1 -o $@ $<
 
-# Linked against the fake driver next to it ($$ORIGIN), so that both loaders get one copy.
-build/fakes/libnccl.so.2: tests/fakes/libnccl.c tests/fakes/mpfake.h build/fakes/libcuda.so.1
-	$(CC) $(FAKE_CFLAGS) -Wl,-soname,libnccl.so.2 -o $@ $< -Lbuild/fakes -l:libcuda.so.1 '-Wl,-rpath,$$ORIGIN' -lrt
+# Linked against the fake driver next to it ($$ORIGIN), so that both loaders get one copy; only
+# NCCL's API and the model's counters are exported (nccl_model.h: API).
+NCCL_MODEL := tests/fakes/libnccl.c tests/fakes/nccl_kernels.c tests/fakes/nccl_groups.c
+build/fakes/libnccl.so.2: $(NCCL_MODEL) tests/fakes/nccl_model.h tests/fakes/mpfake.h build/fakes/libcuda.so.1
+	$(CC) $(FAKE_CFLAGS) -fvisibility=hidden -Wl,-soname,libnccl.so.2 -o $@ $(NCCL_MODEL) -Lbuild/fakes -l:libcuda.so.1 \
+		'-Wl,-rpath,$$ORIGIN' -lrt
 
 demo: build
 	$(TORCHRUN) --standalone --nproc-per-node 4 -m megatron_p2p.demo

@@ -81,170 +81,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "mpfake.h"
-
-typedef enum {
-    ncclSuccess = 0,
-    ncclUnhandledCudaError = 1,
-    ncclSystemError = 2,
-    ncclInternalError = 3,
-    ncclInvalidArgument = 4,
-    ncclInvalidUsage = 5,
-    ncclRemoteError = 6,
-    ncclInProgress = 7,
-} ncclResult_t;
-
-#define VERSION 23007
-#define ID_MAGIC "mpfake-nccl"
-#define CONFIG_MAGIC 0xcafebeefu
-#define MAX_RANKS 64
-#define RING 64              /* receives a rank may have posted ahead of their sends */
-#define CHUNK (64 * 1024)    /* bytes in flight per directed pair */
-#define MAX_GROUP_OPS 4096
-/* Sends a connection buffers ahead of their receives: NCCL's send primitive runs up to NCCL_STEPS
- * steps ahead of the receiver's head (src/include/device.h: NCCL_STEPS; src/device/prims_simple.h:
- * waitPeer). The model keeps one whole small send per step. */
-#define EAGER_SLOTS 8
-#define EAGER_MAX CHUNK
-
-typedef struct {
-    char internal[128];
-} ncclUniqueId;
-
-/* ---- the shared segment: one per communicator ------------------------------------------- */
-
-typedef struct {
-    _Atomic uint64_t posted;   /* receives posted by the destination from the source */
-    struct {
-        uint64_t count;
-        int type;
-    } post[RING];
-    _Atomic uint64_t matched;  /* sends that found their receive and agreed with it */
-    _Atomic uint64_t produced, consumed; /* chunks through `data` */
-    uint64_t chunk_len;
-    char data[CHUNK];
-    _Atomic uint64_t announced;  /* sends the source has started, in order; each described below */
-    struct {
-        uint64_t count;
-        int type;
-        int eager;               /* its bytes are in the next eager slot */
-    } sent[RING];
-    _Atomic uint64_t eager_put, eager_taken; /* whole sends through `eager` */
-    char eager[EAGER_SLOTS][EAGER_MAX];      /* untouched (no memory) unless eager sends are on */
-} channel;
-
-typedef struct {
-    _Atomic int nranks;
-    _Atomic uint64_t joined;   /* bit per rank */
-    _Atomic int attached;
-    _Atomic int error_claimed; /* by the rank that writes error_text */
-    _Atomic int error;         /* the first mismatch: an async error on every rank */
-    char error_text[256];
-    _Atomic int connecting[MAX_RANKS][MAX_RANKS]; /* [a][b]: a has reached its connect to b */
-    channel ch[];              /* [src * nranks + dst] */
-} segment;
-
-/* ---- communicators ------------------------------------------------------------------------ */
-
-typedef struct {
-    int init_in_progress_ms, group_in_progress_ms, delay_ms;
-    long group_in_progress_after;
-    int group_in_progress_every;
-    long async_error_after;
-    int async_error_code, async_error_quiet;
-    int silent_rank;
-    long silent_after;
-    long eager_bytes;
-    int group_thread;          /* every nonblocking group on a thread, as NCCL (else: only delayed ones) */
-    int launch_order;          /* 0 none, 1 serial (after the previous finished), 2 after it started */
-} faults;
-
-struct group_job;
-
-typedef struct ncclComm {
-    int alive;                 /* 0 once aborted: every later call fails */
-    int rank, nranks, blocking;
-    CUcontext ctx;
-    char name[128];
-    segment *seg;
-    size_t seg_bytes;
-    _Atomic int state;         /* ncclInProgress while initialising or launching, else its result */
-    _Atomic int aborted;
-    /* The flag that ends its stuck work: its own `aborted`, or, for a child split with splitShare,
-     * its parent's (src/init.cc: ncclCommInitChildComm, childComm->abortFlag = comm->abortFlag).
-     * Comm structs are never freed, so the pointer stays valid. */
-    _Atomic int *abort_flag;
-    /* A child whose init is running, reached by this communicator's abort (the parent's
-     * childAbortFlag, set by ncclCommInitChildComm and cleared when the child's init ends). */
-    struct ncclComm *_Atomic init_child;
-    /* Whose connections it uses: itself, or its parent's for a shared split (src/channel.cc:
-     * initChannel takes channel->peers from comm->sharedRes->peers, by parent rank). */
-    struct ncclComm *conns;
-    uint64_t connected;        /* bit per peer whose connection exists (conns' own, under lib_lock) */
-    int children;              /* splits made from it, which name the children */
-    _Atomic int in_call;       /* threads inside a call on it now */
-    /* The fault options count the ops of a communicator and of the children sharing its resources
-     * together (kept by `conns`), so that a count means the same with or without a split. */
-    _Atomic int injected;      /* an injected async error, once raised */
-    _Atomic long ops_done;
-    long ops_issued;           /* ops whose kernel has started, under lib_lock, as the two below */
-    long groups;
-    uint64_t send_seq[MAX_RANKS], recv_seq[MAX_RANKS]; /* numbered, per peer */
-    _Atomic uint64_t sends_done[MAX_RANKS], recvs_done[MAX_RANKS];
-    struct group_job *job;     /* the nonblocking group whose thread it has not joined yet (lib_lock) */
-    _Atomic long persistent_refs; /* captured kernels whose graph still lives */
-    faults f;
-    _Atomic int mismatch_logged; /* the segment's mismatch, logged when this rank first saw it */
-    pthread_t init_thread;
-} comm_t;
-
-typedef struct {
-    int send;
-    void *buf;
-    size_t count;
-    int type;
-    int peer;
-    comm_t *comm;
-    CUstream stream;
-    CUcontext ctx;
-    unsigned long long capture; /* the id of the capture its stream was in at the call, or 0 */
-} op_t;
-
-/* One kernel: a group's ops of one communicator on one stream. A captured one runs at each launch
- * of its graph, so what one run changes lives in op_run. */
-typedef struct launch_order launch_order;
-
-typedef struct {
-    comm_t *comm;
-    int persistent;            /* captured: released when its graph is gone */
-    launch_order *order;       /* its device's order, when launch order is implicit */
-    uint64_t ticket;           /* its place in that order */
-    int nops;
-    op_t ops[];
-} task_t;
-
-typedef struct {
-    uint64_t seq;    /* the op's number among the ops between this rank and the peer, one way */
-    int silent;      /* injected: it never posts */
-    size_t progress; /* bytes moved */
-    int flag;        /* posted (receive) or matched (send) */
-    int announced;   /* send: described to the receiver */
-    int done;
-} op_run;
-
-typedef struct launch {
-    int ntasks;
-    task_t **tasks;
-    CUstream *streams;
-} launch_t;
+#include "nccl_model.h"
 
 /* The library's process-wide state, as the real one has: a lock over communicator state
- * changes, and each thread's group. */
-static pthread_mutex_t lib_lock = PTHREAD_MUTEX_INITIALIZER;
-static _Thread_local int group_depth;
-static _Thread_local op_t *group_ops;
-static _Thread_local int group_nops;
-static _Thread_local ncclResult_t group_error;
+ * changes (each thread's group is in nccl_groups.c). */
+pthread_mutex_t lib_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned random_state;
 
 /* The last error, as NCCL keeps it: one buffer for the whole process (src/debug.cc: the global
@@ -256,8 +97,8 @@ static unsigned random_state;
 static pthread_mutex_t last_error_lock = PTHREAD_MUTEX_INITIALIZER;
 static char last_error[1024];
 
-static void log_warning(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void log_warning(const char *fmt, ...)
+void log_warning(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void log_warning(const char *fmt, ...)
 {
     char text[sizeof last_error];
     va_list ap;
@@ -271,7 +112,7 @@ static void log_warning(const char *fmt, ...)
         fprintf(stderr, "fake libnccl: %s\n", text);
 }
 
-static void sleep_ms(double ms)
+void sleep_ms(double ms)
 {
     struct timespec t = {(time_t)(ms / 1000), (long)((ms - (time_t)(ms / 1000) * 1000) * 1e6)};
     while (nanosleep(&t, &t) == -1 && errno == EINTR) {
@@ -279,7 +120,7 @@ static void sleep_ms(double ms)
 }
 
 /* Polling back-off for a loop that waits on another process. */
-static void pause_for(unsigned spins)
+void pause_for(unsigned spins)
 {
     if (spins < 64)
         sched_yield();
@@ -287,7 +128,7 @@ static void pause_for(unsigned spins)
         sleep_ms(spins < 2048 ? 0.02 : 0.5);
 }
 
-static int random_below(int n)
+int random_below(int n)
 {
     if (n <= 0)
         return 0;
@@ -301,7 +142,7 @@ static int random_below(int n)
     return r;
 }
 
-static void log_line(const char *what, int ms)
+void log_line(const char *what, int ms)
 {
     const char *path = getenv("MPFAKE_NCCL_LOG");
     if (!path || !path[0])
@@ -322,7 +163,7 @@ static long env_long(const char *name, long fallback)
     return v && v[0] ? atol(v) : fallback;
 }
 
-static size_t type_size(int type)
+size_t type_size(int type)
 {
     switch (type) {
     case 0: case 1: case 10: case 11: return 1;
@@ -333,7 +174,7 @@ static size_t type_size(int type)
     }
 }
 
-static const char *type_name(int type)
+const char *type_name(int type)
 {
     static const char *names[] = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "float16",
                                   "float32", "float64", "bfloat16", "float8e4m3", "float8e5m2"};
@@ -342,7 +183,7 @@ static const char *type_name(int type)
 
 /* ---- version, ids, errors ------------------------------------------------------------------ */
 
-ncclResult_t ncclGetVersion(int *version)
+API ncclResult_t ncclGetVersion(int *version)
 {
     if (!version)
         return ncclInvalidArgument;
@@ -350,7 +191,7 @@ ncclResult_t ncclGetVersion(int *version)
     return ncclSuccess;
 }
 
-ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
+API ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
 {
     if (!id)
         return ncclInvalidArgument;
@@ -363,7 +204,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
     return ncclSuccess;
 }
 
-const char *ncclGetErrorString(ncclResult_t r)
+API const char *ncclGetErrorString(ncclResult_t r)
 {
     switch (r) {
     case ncclSuccess: return "no error";
@@ -379,23 +220,21 @@ const char *ncclGetErrorString(ncclResult_t r)
 }
 
 /* src/init.cc: ncclGetLastError returns the process's one buffer, whatever `comm` is (NULL too). */
-const char *ncclGetLastError(comm_t *comm)
+API const char *ncclGetLastError(comm_t *comm)
 {
     (void)comm;
     return last_error;
 }
 
-static void complete_job(comm_t *c);
-
 /* Marks a call on `c` for ncclCommAbort's check of its condition. */
-static void enter_call(comm_t *c, int by)
+void enter_call(comm_t *c, int by)
 {
     if (c)
         atomic_fetch_add(&c->in_call, by);
 }
 
 /* A usable communicator, or the error its use is. */
-static ncclResult_t usable(comm_t *c, const char *call)
+ncclResult_t usable(comm_t *c, const char *call)
 {
     if (!c) {
         log_warning("%s: communicator is NULL", call);
@@ -556,7 +395,7 @@ static comm_t *new_comm(int rank, int nranks, int blocking, CUcontext ctx, const
     return c;
 }
 
-ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, int rank, void *config)
+API ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId id, int rank, void *config)
 {
     if (!out)
         return ncclInvalidArgument;
@@ -624,7 +463,7 @@ static void *split_main(void *arg)
     return NULL;
 }
 
-ncclResult_t ncclCommSplit(comm_t *comm, int color, int key, comm_t **newcomm, void *config)
+API ncclResult_t ncclCommSplit(comm_t *comm, int color, int key, comm_t **newcomm, void *config)
 {
     if (!newcomm) {
         log_warning("ncclCommSplit: newcomm is NULL");
@@ -676,702 +515,15 @@ ncclResult_t ncclCommSplit(comm_t *comm, int color, int key, comm_t **newcomm, v
     return ncclInProgress;
 }
 
-/* ---- kernels --------------------------------------------------------------------------------- */
-
-static channel *chan(comm_t *c, int src, int dst) { return &c->seg->ch[src * c->nranks + dst]; }
-
-/* A kernel that can no longer progress: it stalls, as a GPU kernel would, until aborted. */
-static int stalled(comm_t *c)
-{
-    return atomic_load(&c->seg->error) || atomic_load(&c->conns->injected);
-}
-
-static void count_done(comm_t *c)
-{
-    long done = atomic_fetch_add(&c->conns->ops_done, 1) + 1;
-    if (c->f.async_error_after >= 0 && done >= c->f.async_error_after && !atomic_exchange(&c->conns->injected, 1) &&
-        !c->f.async_error_quiet)
-        log_warning("injected asynchronous error %d after %ld ops on rank %d", c->f.async_error_code, done,
-                    c->rank);
-}
-
-/* Claims the communicator's one mismatch error and publishes it (text first) to every rank. */
-static void report_mismatch(comm_t *c, int src, int dst, uint64_t sent, int sent_type, uint64_t recvd, int recvd_type)
-{
-    int none = 0;
-    if (atomic_compare_exchange_strong(&c->seg->error_claimed, &none, 1)) {
-        snprintf(c->seg->error_text, sizeof c->seg->error_text,
-                 "rank %d sent %llu x %s to rank %d, which receives %llu x %s", src, (unsigned long long)sent,
-                 type_name(sent_type), dst, (unsigned long long)recvd, type_name(recvd_type));
-        atomic_store(&c->seg->error, ncclInvalidUsage);
-    }
-}
-
-/* A buffered send's bytes, taken by its receive: 1 when done. */
-static int take_eager(comm_t *c, const op_t *o, op_run *st, channel *ch)
-{
-    uint64_t count = ch->sent[st->seq % RING].count;
-    int type = ch->sent[st->seq % RING].type;
-    if (count != o->count || type != o->type) {
-        report_mismatch(c, o->peer, c->rank, count, type, o->count, o->type);
-        return 0;
-    }
-    uint64_t slot = atomic_load(&ch->eager_taken);
-    memcpy(o->buf, ch->eager[slot % EAGER_SLOTS], o->count * type_size(o->type));
-    atomic_store(&ch->eager_taken, slot + 1); /* frees the slot, as the receiver's head returns credit */
-    atomic_store(&c->recvs_done[o->peer], st->seq + 1);
-    return 1;
-}
-
-/* One step of a receive; 1 when it is complete. `progress` carries the bytes taken so far. */
-static int recv_step(comm_t *c, const op_t *o, op_run *st)
-{
-    size_t *progress = &st->progress;
-    int *posted = &st->flag;
-    channel *ch = chan(c, o->peer, c->rank);
-    if (!*posted) {
-        if (atomic_load(&ch->posted) != st->seq || atomic_load(&c->recvs_done[o->peer]) + RING <= st->seq)
-            return 0;
-        ch->post[st->seq % RING].count = o->count;
-        ch->post[st->seq % RING].type = o->type;
-        atomic_store(&ch->posted, st->seq + 1);
-        *posted = 1;
-    }
-    if (atomic_load(&c->recvs_done[o->peer]) != st->seq || atomic_load(&ch->announced) <= st->seq)
-        return 0; /* an earlier receive from the peer first, and its send must have started */
-    if (ch->sent[st->seq % RING].eager)
-        return take_eager(c, o, st, ch);
-    if (atomic_load(&ch->matched) <= st->seq)
-        return 0; /* a rendezvous send, which has yet to find this receive */
-    size_t total = o->count * type_size(o->type);
-    if (*progress < total && atomic_load(&ch->produced) > atomic_load(&ch->consumed)) {
-        memcpy((char *)o->buf + *progress, ch->data, ch->chunk_len);
-        *progress += ch->chunk_len;
-        atomic_fetch_add(&ch->consumed, 1);
-    }
-    if (*progress < total)
-        return 0;
-    atomic_store(&c->recvs_done[o->peer], st->seq + 1);
-    return 1;
-}
-
-/* Whether a send may complete into the connection's buffers, before its receive is posted. NCCL's
- * send primitive waits only for a free step of the peer's buffer (src/device/prims_simple.h:
- * waitPeer polls the receiver's head, NCCL_STEPS ahead; src/device/sendrecv.h: runSend), so a
- * send whose chunks fit the free steps completes without its receive; the buffer exists once the
- * connection is set up, which happens in the first group with an op for that peer and waits for
- * the peer's side (src/enqueue.cc: p2pTaskAppend marks the connection, src/group.cc:
- * ncclP2PPreconnectFunc, src/transport.cc: ncclTransportP2pSetup exchanges with the peer). The
- * model: on, small, not to self (a self send is a copy in the kernel: src/enqueue.cc:
- * addP2pToPlan), and the pair connected (see connect_peers; a child split with splitShare uses its
- * parent's connections, and so their buffers). */
-static int connected_to(comm_t *c, int peer);
-
-static int may_buffer(comm_t *c, const op_t *o)
-{
-    size_t total = o->count * type_size(o->type);
-    return c->f.eager_bytes > 0 && total <= (size_t)c->f.eager_bytes && total <= EAGER_MAX &&
-           o->peer != c->rank && connected_to(c, o->peer);
-}
-
-/* Describes the send to the receiver, in order, buffering its bytes when it may: 1 when that
- * completed it. 0 with st->announced unset: no free slot yet. */
-static int announce(comm_t *c, const op_t *o, op_run *st, channel *ch)
-{
-    int eager = may_buffer(c, o);
-    uint64_t slot = atomic_load(&ch->eager_put);
-    if (eager && slot - atomic_load(&ch->eager_taken) >= EAGER_SLOTS)
-        return 0; /* every step in use: wait for the receiver to free one */
-    ch->sent[st->seq % RING].count = o->count;
-    ch->sent[st->seq % RING].type = o->type;
-    ch->sent[st->seq % RING].eager = eager;
-    if (eager) {
-        memcpy(ch->eager[slot % EAGER_SLOTS], o->buf, o->count * type_size(o->type));
-        atomic_store(&ch->eager_put, slot + 1);
-    }
-    atomic_store(&ch->announced, st->seq + 1); /* published after what it describes */
-    st->announced = 1;
-    if (!eager)
-        return 0;
-    atomic_store(&c->sends_done[o->peer], st->seq + 1);
-    return 1;
-}
-
-static int send_step(comm_t *c, const op_t *o, op_run *st)
-{
-    size_t *progress = &st->progress;
-    int *matched = &st->flag;
-    channel *ch = chan(c, c->rank, o->peer);
-    if (atomic_load(&c->sends_done[o->peer]) != st->seq)
-        return 0; /* the earlier sends to the peer first */
-    if (!st->announced)
-        return announce(c, o, st, ch);
-    if (atomic_load(&ch->posted) <= st->seq)
-        return 0; /* rendezvous: the receive must be posted */
-    size_t total = o->count * type_size(o->type);
-    if (!*matched) {
-        uint64_t count = ch->post[st->seq % RING].count;
-        int type = ch->post[st->seq % RING].type;
-        if (count != o->count || type != o->type) {
-            report_mismatch(c, c->rank, o->peer, o->count, o->type, count, type);
-            return 0;
-        }
-        atomic_store(&ch->matched, st->seq + 1);
-        *matched = 1;
-    }
-    if (*progress < total && atomic_load(&ch->produced) == atomic_load(&ch->consumed)) {
-        size_t n = total - *progress < CHUNK ? total - *progress : CHUNK;
-        memcpy(ch->data, (const char *)o->buf + *progress, n);
-        ch->chunk_len = n;
-        *progress += n;
-        atomic_fetch_add(&ch->produced, 1);
-    }
-    if (*progress < total || atomic_load(&ch->produced) != atomic_load(&ch->consumed))
-        return 0; /* complete once the receiver has taken every byte */
-    atomic_store(&c->sends_done[o->peer], st->seq + 1);
-    return 1;
-}
-
-/* Numbers a kernel's ops as it starts: the k-th send to a peer that runs meets the peer's k-th
- * receive that runs, whether issued or replayed from a graph. */
-static void number_ops(const task_t *t, op_run *st)
-{
-    comm_t *c = t->comm;
-    pthread_mutex_lock(&lib_lock);
-    for (int i = 0; i < t->nops; i++) {
-        const op_t *o = &t->ops[i];
-        st[i].seq = o->send ? c->send_seq[o->peer]++ : c->recv_seq[o->peer]++;
-        st[i].silent = c->rank == c->f.silent_rank && c->conns->ops_issued >= c->f.silent_after;
-        c->conns->ops_issued++;
-    }
-    pthread_mutex_unlock(&lib_lock);
-}
-
-/* Runs the kernel's ops together until all are done or the communicator is aborted. */
-static void run_ops(const task_t *t)
-{
-    comm_t *c = t->comm;
-    if (atomic_load(c->abort_flag))
-        return;
-    if (c->f.delay_ms > 0)
-        sleep_ms(c->f.delay_ms);
-    op_run *run = calloc((size_t)t->nops, sizeof *run);
-    if (!run) {
-        log_warning("a kernel could not allocate its state");
-        atomic_store(&c->state, ncclSystemError);
-        return;
-    }
-    number_ops(t, run);
-    int left = t->nops;
-    for (unsigned spins = 0; left > 0 && !atomic_load(c->abort_flag); spins++) {
-        int moved = 0;
-        for (int i = 0; i < t->nops && !stalled(c); i++) {
-            const op_t *o = &t->ops[i];
-            op_run *st = &run[i];
-            if (st->done || st->silent)
-                continue;
-            size_t before = st->progress;
-            int before_flags = st->flag + 2 * st->announced;
-            if (o->send ? send_step(c, o, st) : recv_step(c, o, st)) {
-                st->done = 1;
-                left--;
-                count_done(c);
-            }
-            moved |= st->done || st->progress != before || st->flag + 2 * st->announced != before_flags;
-        }
-        if (moved)
-            spins = 0;
-        else
-            pause_for(spins);
-    }
-    free(run);
-}
-
-/* ---- implicit launch order ----------------------------------------------------------------------
- * NCCL_LAUNCH_ORDER_IMPLICIT (src/enqueue.cc: NCCL_PARAM(LaunchOrderImplicit), getImplicitOrder)
- * makes each launch wait on a per-device "launch order" stream (ncclLaunchPrepare) that the
- * launch then advances (ncclLaunchFinish): by the kernel's completion event when CUDA is older
- * than 12.3, or while capturing with a driver older than 12.9 (serial), else by its launch
- * completion event, which fires once the kernel has started (launch). The model: per device
- * (context), each uncaptured kernel takes the next ticket as it is enqueued and starts once the
- * previous ticket has finished (1) or started (2). Captured kernels are not ordered. */
-struct launch_order {
-    CUcontext ctx;
-    uint64_t issued;           /* order_lock */
-    _Atomic uint64_t released; /* tickets whose successor may start */
-};
-
-static pthread_mutex_t order_lock = PTHREAD_MUTEX_INITIALIZER;
-static launch_order orders[16];
-
-static launch_order *order_of(CUcontext ctx)
-{
-    for (size_t i = 0; i < sizeof orders / sizeof *orders; i++)
-        if (orders[i].ctx == ctx || !orders[i].ctx) {
-            orders[i].ctx = ctx;
-            return &orders[i];
-        }
-    return NULL; /* more contexts than the model orders: unordered */
-}
-
-static void wait_turn(const task_t *t)
-{
-    for (unsigned spins = 0; atomic_load(&t->order->released) != t->ticket; spins++)
-        pause_for(spins);
-}
-
-static void pass_turn(const task_t *t) { atomic_store(&t->order->released, t->ticket + 1); }
-
-static void run_task(void *arg)
-{
-    const task_t *t = arg;
-    int serial = t->order && t->comm->f.launch_order == 1;
-    if (t->order)
-        wait_turn(t);
-    if (t->order && !serial)
-        pass_turn(t);
-    run_ops(t);
-    if (serial)
-        pass_turn(t); /* an aborted kernel ends too, and lets the next one start */
-}
-
-/* The driver's release of a kernel: a captured one's graph, and every instance, is gone. NCCL
- * counts a captured plan in comm->localPersistentRefs (src/enqueue.cc: ncclLaunchPrepare) until
- * the graph's destructor hands it back (persistentDestructor, reclaimPlan). */
-static void release_task(void *arg)
-{
-    task_t *t = arg;
-    if (t->persistent)
-        atomic_fetch_sub(&t->comm->persistent_refs, 1);
-    free(t);
-}
-
-/* ---- groups ----------------------------------------------------------------------------------- */
-
-ncclResult_t ncclGroupStart(void)
-{
-    if (group_depth == 0) {
-        group_nops = 0;
-        group_error = ncclSuccess;
-    }
-    group_depth++;
-    return ncclSuccess;
-}
-
-static ncclResult_t add_op(int send, const void *buf, size_t count, int type, int peer, comm_t *c, CUstream stream)
-{
-    const char *call = send ? "ncclSend" : "ncclRecv";
-    ncclResult_t r = usable(c, call);
-    if (r != ncclSuccess)
-        return r;
-    CUcontext ctx = mpfake_current_context(), stream_ctx = NULL;
-    if (!ctx) {
-        log_warning("%s: no current CUDA context on this thread", call);
-        return ncclUnhandledCudaError;
-    }
-    if (ctx != c->ctx || mpfake_stream_context(stream, &stream_ctx) != CUDA_SUCCESS || stream_ctx != c->ctx) {
-        log_warning("%s: the current CUDA context or the stream is not the communicator's device's", call);
-        return ncclUnhandledCudaError;
-    }
-    if (peer < 0 || peer >= c->nranks || !type_size(type) || (!buf && count)) {
-        log_warning("%s: invalid argument (peer %d of %d ranks, datatype %d, buffer %p)", call, peer, c->nranks,
-                    type, buf);
-        return ncclInvalidArgument;
-    }
-    if (group_nops == MAX_GROUP_OPS) {
-        log_warning("%s: more than %d ops in one group", call, MAX_GROUP_OPS);
-        return ncclInvalidUsage;
-    }
-    CUstreamCaptureStatus status;
-    unsigned long long capture = 0;
-    if (mpfake_stream_capture(c->ctx, stream, &status, &capture) != CUDA_SUCCESS) {
-        log_warning("%s: asking whether the stream is capturing failed", call);
-        return ncclUnhandledCudaError;
-    }
-    for (int i = 0; i < group_nops; i++)
-        if (group_ops[i].comm == c && group_ops[i].capture != capture) {
-            log_warning("%s: the streams of a communicator in one group must be all uncaptured or all captured by "
-                        "the same capture (this op's capture: %llu, an earlier op's: %llu)", call, capture,
-                        group_ops[i].capture);
-            return ncclInvalidUsage;
-        }
-    if (!group_ops && !(group_ops = malloc(sizeof(op_t) * MAX_GROUP_OPS)))
-        return ncclSystemError;
-    op_t *o = &group_ops[group_nops++];
-    *o = (op_t){send, (void *)buf, count, type, peer, c, stream, c->ctx, capture};
-    return ncclSuccess;
-}
-
-/* A group issued while its stream captured, launched later (it was in progress): it belongs to
- * the graph only if that capture is still on. */
-static int capture_unchanged(const task_t *t, CUstream stream)
-{
-    CUstreamCaptureStatus status;
-    unsigned long long now = 0;
-    return mpfake_stream_capture(t->ops[0].ctx, stream, &status, &now) == CUDA_SUCCESS && now == t->ops[0].capture;
-}
-
-/* Hands one kernel to its stream (the driver owns it from there). A captured one holds a
- * reference on its communicator until its graph is gone; an uncaptured one takes its place in
- * the device's launch order, if ordered. */
-static CUresult enqueue_task(task_t *t, CUstream stream)
-{
-    comm_t *c = t->comm;
-    t->persistent = t->ops[0].capture != 0;
-    if (t->persistent)
-        atomic_fetch_add(&c->persistent_refs, 1);
-    int ordered = !t->persistent && c->f.launch_order > 0;
-    if (ordered) {
-        pthread_mutex_lock(&order_lock); /* the ticket and the stream's queue in one order */
-        t->order = order_of(c->ctx);
-        t->ticket = t->order ? t->order->issued : 0;
-    }
-    launch_order *order = t->order;
-    CUresult r = mpfake_stream_enqueue_owned(t->ops[0].ctx, stream, run_task, t, release_task);
-    if (ordered) {
-        if (r == CUDA_SUCCESS && order)
-            order->issued++;
-        pthread_mutex_unlock(&order_lock);
-    }
-    if (r != CUDA_SUCCESS && t->persistent)
-        atomic_fetch_sub(&c->persistent_refs, 1);
-    return r;
-}
-
-/* Enqueues each task; returns the first failure, which is also left as its communicator's
- * state. The launch keeps `l`. */
-static ncclResult_t launch(launch_t *l)
-{
-    ncclResult_t first = ncclSuccess;
-    for (int i = 0; i < l->ntasks; i++) {
-        task_t *t = l->tasks[i];
-        l->tasks[i] = NULL; /* the driver's, or freed */
-        ncclResult_t r = ncclSuccess;
-        CUresult cr = CUDA_SUCCESS;
-        if (!capture_unchanged(t, l->streams[i])) {
-            log_warning("a group issued while its stream was capturing (capture %llu) was launched after "
-                        "that capture ended: poll ncclCommGetAsyncError until ncclSuccess before ending the capture",
-                        t->ops[0].capture);
-            r = ncclInvalidUsage;
-        } else if ((cr = enqueue_task(t, l->streams[i])) != CUDA_SUCCESS) {
-            log_warning("launching a kernel on its stream failed (CUDA error %d)", cr);
-            r = ncclUnhandledCudaError;
-        }
-        if (r != ncclSuccess) {
-            atomic_store(&t->comm->state, r);
-            free(t);
-            if (first == ncclSuccess)
-                first = r;
-        }
-    }
-    return first;
-}
-
-static void free_launch(launch_t *l)
-{
-    for (int i = 0; i < l->ntasks; i++)
-        free(l->tasks[i]); /* those never launched */
-    free(l->tasks);
-    free(l->streams);
-    free(l);
-}
-
-/* A self send needs its receive in the same group, and the reverse: NCCL finds one without the
- * other while it plans the launch (src/enqueue.cc: scheduleP2pTasksToPlan), so on a nonblocking
- * group's thread. */
-static ncclResult_t check_self_sends(const launch_t *l)
-{
-    for (int k = 0; k < l->ntasks; k++) {
-        comm_t *c = l->tasks[k]->comm;
-        int balance = 0;
-        for (int j = 0; j < l->ntasks; j++)
-            for (int i = 0; l->tasks[j]->comm == c && i < l->tasks[j]->nops; i++)
-                if (l->tasks[j]->ops[i].peer == c->rank)
-                    balance += l->tasks[j]->ops[i].send ? 1 : -1;
-        if (balance != 0) {
-            log_warning("a self send on rank %d without its receive in the same group (or the reverse)", c->rank);
-            return ncclInvalidUsage;
-        }
-    }
-    return ncclSuccess;
-}
-
-/* ---- connections ------------------------------------------------------------------------------
- * NCCL connects a pair of ranks the first time a group has work between them: the launch runs the
- * p2p setup (src/group.cc: groupLaunch -> asyncJobLaunch of the preconnect jobs; src/transport.cc:
- * ncclTransportP2pSetup), which trades connect info with the peer over the bootstrap network and
- * waits for the peer's (bootstrapRecv). So the launch, on the caller's thread for a blocking
- * communicator, waits until the peer's launch reaches its side of that connection. Only the abort
- * flag ends the wait (src/bootstrap.cc: checkAbort, src/misc/socket.cc: both answer
- * ncclInternalError once it is set). The model: each rank flags the pairs it reaches, in the
- * segment of the communicator that owns the connections, and waits for the peer's flag. */
-static int connected_to(comm_t *c, int peer)
-{
-    pthread_mutex_lock(&lib_lock);
-    int known = peer == c->rank || (c->conns->connected >> peer & 1);
-    pthread_mutex_unlock(&lib_lock);
-    return known;
-}
-
-/* Every new pair's side first, then the peers' (ncclTransportP2pSetup sends each peer's connect
- * info before it receives any), so that ranks connecting in a ring do not wait on one another. */
-static ncclResult_t connect_peers(const launch_t *l)
-{
-    for (int pass = 0; pass < 2; pass++)
-        for (int k = 0; k < l->ntasks; k++) {
-            const task_t *t = l->tasks[k];
-            comm_t *c = t->comm, *owner = c->conns;
-            for (int i = 0; i < t->nops; i++) {
-                int peer = t->ops[i].peer;
-                if (connected_to(c, peer))
-                    continue;
-                if (pass == 0) {
-                    atomic_store(&owner->seg->connecting[c->rank][peer], 1);
-                    continue;
-                }
-                for (unsigned spins = 0; !atomic_load(&owner->seg->connecting[peer][c->rank]); spins++) {
-                    if (atomic_load(c->abort_flag)) {
-                        log_warning("connecting rank %d to rank %d: the communicator was aborted", c->rank, peer);
-                        return ncclInternalError;
-                    }
-                    pause_for(spins);
-                }
-                pthread_mutex_lock(&lib_lock);
-                owner->connected |= 1ull << peer;
-                pthread_mutex_unlock(&lib_lock);
-            }
-        }
-    return ncclSuccess;
-}
-
-static ncclResult_t launch_group(launch_t *l)
-{
-    ncclResult_t r = check_self_sends(l);
-    if (r == ncclSuccess)
-        r = connect_peers(l);
-    return r != ncclSuccess ? r : launch(l);
-}
-
-/* ---- a nonblocking group's thread -------------------------------------------------------------
- * src/group.cc: ncclGroupEndInternal sets each of the group's communicators to ncclInProgress,
- * starts a thread (STDTHREADCREATE of ncclAsyncJobMain -> groupLaunchNonBlocking) and returns
- * ncclInProgress; groupLaunch sets every communicator's state to the group's result at its end
- * (groupCleanup on failure). src/init.cc: ncclCommGetAsyncError, once the state reads ncclSuccess,
- * joins the thread (ncclGroupJobComplete -> ncclAsyncJobComplete); ncclCommAbort joins it too,
- * after flagging the job aborted (ncclCommEnsureReady -> ncclGroupJobAbort). */
-typedef struct group_job {
-    launch_t *l;
-    int delay_ms;              /* injected, before the launch */
-    pthread_t thread;
-    _Atomic int aborted, joined, refs;
-    int ncomms;
-    comm_t **comms;
-} group_job;
-
-static _Atomic long group_threads;
-
-/* For tests and benchmarks: the group threads this process has started. */
-long mpfake_nccl_group_threads(void) { return atomic_load(&group_threads); }
-
 /* For tests: the aborts that broke NCCL's condition for a safe abort (see ncclCommAbort). */
 static _Atomic long unsafe_aborts;
-long mpfake_nccl_unsafe_aborts(void) { return atomic_load(&unsafe_aborts); }
-
-static void *group_main(void *arg)
-{
-    group_job *j = arg;
-    for (int ms = 0; ms < j->delay_ms && !atomic_load(&j->aborted); ms++)
-        sleep_ms(1);
-    int aborted = atomic_load(&j->aborted);
-    ncclResult_t r = aborted ? ncclInvalidUsage : launch_group(j->l);
-    free_launch(j->l);
-    j->l = NULL;
-    int others = 0;
-    for (int k = 0; k < j->ncomms; k++) {
-        others |= j->comms[k]->alive;
-        atomic_store(&j->comms[k]->state, r);
-    }
-    if (aborted && others) /* the model's choice: the group dies with any of its communicators */
-        log_warning("a nonblocking group was not launched: ncclCommAbort ended one of its communicators first");
-    return NULL;
-}
-
-/* Joins the communicator's group thread, once for the whole group, and drops its hold on the job. */
-static void complete_job(comm_t *c)
-{
-    pthread_mutex_lock(&lib_lock);
-    group_job *j = c->job;
-    c->job = NULL;
-    pthread_mutex_unlock(&lib_lock);
-    if (!j)
-        return;
-    if (!atomic_exchange(&j->joined, 1))
-        pthread_join(j->thread, NULL);
-    if (atomic_fetch_sub(&j->refs, 1) == 1) {
-        free(j->comms);
-        free(j);
-    }
-}
-
-static ncclResult_t start_group_thread(launch_t *l, int delay_ms)
-{
-    group_job *j = calloc(1, sizeof *j);
-    comm_t **comms = calloc((size_t)l->ntasks, sizeof *comms);
-    if (!j || !comms) {
-        free(j);
-        free(comms);
-        free_launch(l);
-        return ncclSystemError;
-    }
-    j->l = l;
-    j->delay_ms = delay_ms;
-    j->comms = comms;
-    for (int k = 0; k < l->ntasks; k++) {
-        comm_t *c = l->tasks[k]->comm;
-        int seen = 0;
-        for (int i = 0; i < j->ncomms; i++)
-            seen |= j->comms[i] == c;
-        if (seen)
-            continue;
-        complete_job(c); /* none left: a send on it would have been refused, or joined it */
-        j->comms[j->ncomms++] = c;
-        atomic_store(&c->state, ncclInProgress);
-    }
-    atomic_store(&j->refs, j->ncomms);
-    pthread_mutex_lock(&lib_lock);
-    for (int i = 0; i < j->ncomms; i++)
-        j->comms[i]->job = j;
-    pthread_mutex_unlock(&lib_lock);
-    if (pthread_create(&j->thread, NULL, group_main, j) != 0) {
-        log_warning("ncclGroupEnd: starting the group's thread failed");
-        atomic_store(&j->joined, 1); /* nothing to join */
-        for (int i = 0; i < j->ncomms; i++) {
-            atomic_store(&j->comms[i]->state, ncclSystemError);
-            complete_job(j->comms[i]);
-        }
-        free_launch(l);
-        return ncclSystemError;
-    }
-    atomic_fetch_add(&group_threads, 1);
-    if (delay_ms > 0)
-        log_line("group-in-progress", delay_ms);
-    return ncclInProgress;
-}
-
-/* The group's ops as one kernel per (communicator, stream), in issue order: launched here for
- * blocking communicators (src/group.cc: ncclGroupEndInternal, the blocking branch runs
- * groupLaunch on the caller's thread), on a thread of the group's own for nonblocking ones. */
-static ncclResult_t close_group(void)
-{
-    op_t *ops = group_ops;
-    size_t n = (size_t)group_nops;
-    group_nops = 0;
-    if (group_error != ncclSuccess)
-        return group_error;
-    if (n == 0)
-        return ncclSuccess;
-    launch_t *l = calloc(1, sizeof *l);
-    if (!l || !(l->tasks = calloc(n, sizeof *l->tasks)) || !(l->streams = calloc(n, sizeof *l->streams))) {
-        if (l)
-            free(l->tasks);
-        free(l);
-        return ncclSystemError;
-    }
-    int nonblocking = 0;
-    for (size_t i = 0; i < n; i++) {
-        int k = 0;
-        while (k < l->ntasks && !(l->tasks[k]->comm == ops[i].comm && l->streams[k] == ops[i].stream))
-            k++;
-        if (k == l->ntasks) {
-            int count = 0;
-            for (size_t j = i; j < n; j++)
-                count += ops[j].comm == ops[i].comm && ops[j].stream == ops[i].stream;
-            if (!(l->tasks[k] = calloc(1, sizeof(task_t) + sizeof(op_t) * (size_t)count))) {
-                free_launch(l);
-                return ncclSystemError;
-            }
-            l->tasks[k]->comm = ops[i].comm;
-            l->streams[k] = ops[i].stream;
-            l->ntasks++;
-            nonblocking |= !ops[i].comm->blocking;
-        }
-        l->tasks[k]->ops[l->tasks[k]->nops++] = ops[i];
-    }
-    comm_t *first = l->tasks[0]->comm;
-    int eligible = nonblocking && first->conns->groups++ >= first->f.group_in_progress_after;
-    int delay = !eligible ? 0
-                : first->f.group_in_progress_every ? first->f.group_in_progress_ms
-                : random_below(1) ? random_below(first->f.group_in_progress_ms) : 0;
-    if (!nonblocking || (delay <= 0 && !first->f.group_thread)) { /* see MPFAKE_NCCL_GROUP_THREAD */
-        /* On the caller's thread: a call on each communicator until it returns (launch() hands
-         * the tasks on, so their communicators are kept here). */
-        int ntasks = l->ntasks;
-        comm_t **comms = calloc((size_t)(unsigned)ntasks, sizeof *comms);
-        if (!comms) {
-            free_launch(l);
-            return ncclSystemError;
-        }
-        for (int k = 0; k < ntasks; k++)
-            enter_call(comms[k] = l->tasks[k]->comm, 1);
-        ncclResult_t r = launch_group(l);
-        free_launch(l);
-        for (int k = 0; k < ntasks; k++)
-            enter_call(comms[k], -1);
-        free(comms);
-        return r;
-    }
-    return start_group_thread(l, delay);
-}
-
-ncclResult_t ncclGroupEnd(void)
-{
-    if (group_depth == 0) {
-        log_warning("ncclGroupEnd without ncclGroupStart");
-        return ncclInvalidUsage;
-    }
-    if (--group_depth > 0)
-        return ncclSuccess;
-    return close_group();
-}
-
-/* Outside a group an op is a group of its own, as in NCCL. */
-static ncclResult_t post_op(int is_send, const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
-{
-    if (group_depth == 0) {
-        ncclGroupStart();
-        ncclResult_t r = post_op(is_send, buf, count, type, peer, comm, stream);
-        ncclResult_t e = ncclGroupEnd();
-        return r != ncclSuccess ? r : e;
-    }
-    /* src/include/group.h: ncclGroupErrCheck keeps a failure inside a group for ncclGroupEnd to
-     * return (each later failure replacing it). */
-    ncclResult_t r = add_op(is_send, buf, count, type, peer, comm, stream);
-    if (r != ncclSuccess)
-        group_error = r;
-    return r;
-}
-
-ncclResult_t ncclSend(const void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
-{
-    enter_call(comm, 1);
-    ncclResult_t r = post_op(1, buf, count, type, peer, comm, stream);
-    enter_call(comm, -1);
-    return r;
-}
-
-ncclResult_t ncclRecv(void *buf, size_t count, int type, int peer, comm_t *comm, CUstream stream)
-{
-    enter_call(comm, 1);
-    ncclResult_t r = post_op(0, buf, count, type, peer, comm, stream);
-    enter_call(comm, -1);
-    return r;
-}
+API long mpfake_nccl_unsafe_aborts(void) { return atomic_load(&unsafe_aborts); }
 
 /* ---- state, abort ------------------------------------------------------------------------------ */
 
 static ncclResult_t get_async_error(comm_t *comm, ncclResult_t *error);
 
-ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
+API ncclResult_t ncclCommGetAsyncError(comm_t *comm, ncclResult_t *error)
 {
     enter_call(comm, 1);
     ncclResult_t r = get_async_error(comm, error);
@@ -1412,7 +564,7 @@ static ncclResult_t get_async_error(comm_t *comm, ncclResult_t *error)
  * (commReclaim -> commDestroySync), which waits until comm->localPersistentRefs is 0: every CUDA
  * graph that captured work on it, and every instance, destroyed. The struct outlives the call (a
  * model may keep it) so that any later use is reported rather than undefined. */
-ncclResult_t ncclCommAbort(comm_t *comm)
+API ncclResult_t ncclCommAbort(comm_t *comm)
 {
     if (!comm)
         return ncclSuccess;
