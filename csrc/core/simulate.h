@@ -45,6 +45,8 @@ typedef struct {
     int32_t partner_state;           /* in a deadlock: MP_SIM_PARTNER_* of the op it must meet */
     int64_t bytes;
     int64_t partner_posted;          /* ops of the partner's kind the peer has issued on the channel */
+    int64_t posted_round;            /* the round its rank posted it, -1 if never */
+    int64_t done_round;              /* the round it completed, -1 if never */
 } mp_sim_op_info;
 
 enum { MP_SIM_PARTNER_MISSING = 0, MP_SIM_PARTNER_QUEUED = 1, MP_SIM_PARTNER_ACTIVE = 2 };
@@ -78,5 +80,7 @@ const mp_sim_edge *mp_sim_cycle(const mp_sim *sim, size_t *n, int *closed);
 int64_t mp_sim_num_pending(const mp_sim *sim);
 /* Calls `fn` for each pending op; stops early when it returns non-zero (and returns that). */
 int mp_sim_each_pending(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx);
+/* The same for every op, in op order (a timeline of the run: posted_round, done_round). */
+int mp_sim_each_op(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx);
 
 #endif

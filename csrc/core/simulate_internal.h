@@ -15,6 +15,7 @@ enum { RANK_RUNNING, RANK_WAIT_AWAIT, RANK_WAIT_CALL, RANK_FINAL, RANK_DONE };
 typedef struct {
     int64_t bytes;
     int32_t rank, call, step, index, chan, seq, peer, dtype, label;
+    int32_t posted_round, done_round; /* valid once its step is issued, once done */
     int8_t kind, lane, slot;
     uint8_t active, done, waited;
 } sim_op;
