@@ -221,4 +221,9 @@ def check_path(path: "str | Path") -> Optional[str]:
     """Why `path` cannot take a timeline, or None (checked before any work is done)."""
     if Path(path).suffix.lower() not in FORMATS:
         return f"--timeline {path}: the file must end in .json (Chrome trace) or .png (picture)"
+    if Path(path).suffix.lower() == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return f"--timeline {path}: drawing a .png needs matplotlib (pip install matplotlib); a .json needs nothing"
     return None

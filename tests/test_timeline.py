@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,16 @@ def test_check_timeline_misuse_is_named(args, message, capsys):
         check.main(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_check_timeline_png_without_matplotlib_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(SystemExit) as exc:
+        check.main(["--timeline", str(tmp_path / "ring.png"), str(RING)])
+    assert exc.value.code == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "ring.png").exists()
+    assert check.main(["--timeline", str(tmp_path / "ring.json"), str(RING)]) == 1  # a .json needs nothing
 
 
 def test_simulate_without_timeline_lists_no_ops():
