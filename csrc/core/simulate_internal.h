@@ -15,7 +15,6 @@ enum { RANK_RUNNING, RANK_WAIT_AWAIT, RANK_WAIT_CALL, RANK_FINAL, RANK_DONE };
 typedef struct {
     int64_t bytes;
     int32_t rank, call, step, index, chan, seq, peer, dtype, label;
-    int32_t posted_round, done_round; /* valid once its step is issued, once done */
     int8_t kind, lane, slot;
     uint8_t active, done, waited;
 } sim_op;
@@ -58,6 +57,7 @@ struct mp_sim {
     sim_rank *ranks;
     sim_chan *chans;
     int32_t *chan_ops;
+    int32_t *posted_round, *done_round; /* per op, only with mp_sim_program.timeline (else NULL) */
     /* A FIFO of step ids per (rank, queue), run in issue order: a step activates at its queue's
      * head. The queue is the step's lane, or the rank's one queue when lanes are serialized;
      * channels (matching) are per lane whatever the queues. */

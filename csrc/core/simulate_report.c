@@ -160,8 +160,8 @@ static void op_info(const mp_sim *sim, int32_t id, mp_sim_op_info *out)
         .partner_state = partner_state(sim, id),
         .bytes = o->bytes,
         .partner_posted = ch->issued[o->kind == KIND_SEND ? KIND_RECV : KIND_SEND],
-        .posted_round = sim->steps[o->step].issued ? o->posted_round : -1,
-        .done_round = o->done ? o->done_round : -1,
+        .posted_round = sim->posted_round && sim->steps[o->step].issued ? sim->posted_round[id] : -1,
+        .done_round = sim->done_round && o->done ? sim->done_round[id] : -1,
     };
 }
 

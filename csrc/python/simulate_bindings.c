@@ -127,7 +127,8 @@ static PyObject *simulate(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kw
     }
 #pragma GCC diagnostic pop
     mp_sim_program prog = {.size = size, .nlanes = lanes, .eager_threshold = (uint64_t)eager,
-                           .streams = views, .lengths = lengths, .serialize_lanes = serialize_lanes};
+                           .streams = views, .lengths = lengths, .serialize_lanes = serialize_lanes,
+                           .timeline = timeline};
     char err[256] = "";
     int oom = 0, rc = 0;
     Py_BEGIN_ALLOW_THREADS
