@@ -51,7 +51,6 @@ class Timeline:
     unit: str  # "round" or "s"
     end: float
     spans: list[Span]
-    lanes: int
 
 
 def _op_name(kind: str, peer: int, label: str) -> str:
@@ -82,12 +81,12 @@ def of_simulation(program: "Program", verdict: "Verdict", title: str = "") -> Ti
         spans.append(Span(ref.rank, op.lane, _op_name(op.kind, op.peer, op.label), float(t.posted),
                           float(t.done if done else end), done, key in blocked, args))
     summary = verdict.summary()
-    return Timeline(f"{title}: {summary}" if title else summary, "round", float(end), spans, program.lanes)
+    return Timeline(f"{title}: {summary}" if title else summary, "round", float(end), spans)
 
 
 def of_trace(dumps: Sequence["Dump"], report: "Report", title: str = "") -> Timeline:
-    """The flight recorder's ops of `dumps`, in seconds from the earliest op posted; an op not
-    completed runs to its rank's dump. The ops of the report's cycles are marked."""
+    """The flight recorder's ops of `dumps` (one communicator's), in seconds from the earliest op
+    posted; an op not completed runs to its rank's dump. The ops of the report's cycles are marked."""
     ops = [op for d in dumps for op in d.ops]
     if not ops:
         raise ValueError("the dumps hold no ops to draw")
@@ -106,9 +105,8 @@ def of_trace(dumps: Sequence["Dump"], report: "Report", title: str = "") -> Time
                 args["cycle"] = True
             spans.append(Span(op.rank, op.lane, _op_name(op.kind, op.peer, op.label), op.t_posted - t0, stop, done,
                               op in cycle, args))
-    lanes = max(d.lanes for d in dumps)
     text = "clean" if report.ok else "; ".join(f.text.split("\n")[0] for f in report.findings())
-    return Timeline(f"{title}: {text}" if title else text, "s", end, spans, lanes)
+    return Timeline(f"{title}: {text}" if title else text, "s", end, spans)
 
 
 # ---- Chrome trace ---------------------------------------------------------------------------------

@@ -629,8 +629,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             program = to_program(dumps, args.communicator)
             Path(args.program).write_text(prog.dumps(program))
         if args.timeline:
-            shown = [d for d in dumps if args.communicator is None or d.communicator == args.communicator]
-            timeline.write(timeline.of_trace(shown, report, args.dir), args.timeline)
+            groups = _groups(dumps, args.communicator)
+            if len(groups) > 1:
+                raise TraceError(f"the dumps hold {len(groups)} communicators "
+                                 f"{sorted(gr[0].communicator for gr in groups)}; name one with --communicator "
+                                 "for --timeline")
+            timeline.write(timeline.of_trace(groups[0], report, args.dir), args.timeline)
     except TraceError as exc:
         print(f"trace: error: {exc}", file=sys.stderr)
         return 2

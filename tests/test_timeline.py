@@ -14,7 +14,7 @@ from megatron_p2p import check, timeline, trace
 from megatron_p2p.program import load
 from megatron_p2p.simulate import simulate
 
-from test_trace import clean_pair, send_first_ring
+from test_trace import clean_pair, op, send_first_ring, write_dump
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "megatron_p2p" / "programs"
@@ -154,6 +154,20 @@ def test_trace_timeline_of_a_clean_run_marks_nothing(tmp_path, capsys):
     spans = trace_events(out)
     assert {e["cat"] for e in spans} == {"op"} and len(spans) == 6
     assert all(e["dur"] == pytest.approx(0.5e6) for e in spans)
+
+
+def test_trace_timeline_of_two_communicators_needs_one_named(tmp_path, capsys):
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    clean_pair(dumps)
+    write_dump(dumps, 0, [op("send", 1, 0)], comm="0ther")
+    write_dump(dumps, 1, [op("recv", 0, 0)], comm="0ther")
+    out = tmp_path / "one.json"
+    assert trace.main([str(dumps), "--timeline", str(out)]) == 2
+    assert "name one with --communicator" in capsys.readouterr().err and not out.exists()
+    assert trace.main([str(dumps), "--timeline", str(out), "--communicator", "0ther"]) == 0
+    spans = trace_events(out)
+    assert len(spans) == 2 and {e["args"]["communicator"] for e in spans} == {"0ther"}
 
 
 def test_trace_timeline_png(tmp_path, capsys):
