@@ -1,17 +1,18 @@
 """Offline verdicts on programs: does every rank's sequence of calls complete, deadlock, or pair
 messages whose bytes or dtype disagree?
 
-    python -m megatron_p2p.check [--json] [--serialize-lanes] FILE...
+    python -m megatron_p2p.check [--json] [--serialize-lanes] [--timeline FILE.json|FILE.png] FILE...
     python -m megatron_p2p.check --schedule {1f1b,interleaved} --pp N [--vpp V] [--microbatches M]
            [--mode {parity,batched}] [--lanes {1,2}] [--overlap] [--variable-seq-lengths]
-           [--eager BYTES] [--dump FILE] [--serialize-lanes]
+           [--eager BYTES] [--dump FILE] [--serialize-lanes] [--timeline FILE.json|FILE.png]
     python -m megatron_p2p.check --grid [--reduced] [--jobs N] [--serialize-lanes]
 
 Prints a verdict per file or schedule: OK with the rounds on the critical path, DEADLOCK with
 the wait-for cycle (ranks, ops, labels), MISMATCH with the first disagreeing pair. --json prints
 one object per line instead. --serialize-lanes runs each rank's steps of all lanes in one queue
 in issue order (the worst case NCCL allows for communicators sharing a device); messages still
-pair per lane. Exit status: 0 all OK, 1 otherwise, 2 for a usage error or a file that cannot be
+pair per lane. --timeline draws the simulated rounds of one program (a FILE or --schedule) as a
+Chrome trace (.json) or a picture (.png), the cycle's ops marked. Exit status: 0 all OK, 1 otherwise, 2 for a usage error or a file that cannot be
 read or is not a valid program.
 """
 from __future__ import annotations
@@ -37,7 +38,18 @@ def _record(verdict: Verdict, **where: Any) -> dict:
             "serialize_lanes": verdict.serialize_lanes, "detail": verdict.detail()}
 
 
-def check_files(paths: Sequence[str], as_json: bool, serialize_lanes: bool = False) -> int:
+def _simulate(program: Any, serialize_lanes: bool, timeline_path: Optional[str], title: str) -> Verdict:
+    """The verdict on `program`; with timeline_path, its simulated rounds drawn there too."""
+    verdict = simulate(program, serialize_lanes=serialize_lanes, timeline=timeline_path is not None)
+    if timeline_path is not None:
+        from . import timeline
+
+        timeline.write(timeline.of_simulation(program, verdict, title), timeline_path)
+    return verdict
+
+
+def check_files(paths: Sequence[str], as_json: bool, serialize_lanes: bool = False,
+                timeline_path: Optional[str] = None) -> int:
     """Prints one verdict per file; returns the exit status."""
     status = 0
     for path in paths:
@@ -51,7 +63,7 @@ def check_files(paths: Sequence[str], as_json: bool, serialize_lanes: bool = Fal
             print(f"error: {e}", file=sys.stderr)
             status = 2
             continue
-        verdict = simulate(program, serialize_lanes=serialize_lanes)
+        verdict = _simulate(program, serialize_lanes, timeline_path, path)
         if as_json:
             print(json.dumps(_record(verdict, file=path)))
         else:
@@ -75,7 +87,8 @@ def _describe(config: dict) -> str:
     return " ".join(parts)
 
 
-def check_schedule(config: dict, as_json: bool, dump: Optional[str], serialize_lanes: bool = False) -> int:
+def check_schedule(config: dict, as_json: bool, dump: Optional[str], serialize_lanes: bool = False,
+                   timeline_path: Optional[str] = None) -> int:
     """Generates one megatron-core schedule, checks it, optionally writes its program file."""
     from .schedules import generate
 
@@ -92,7 +105,7 @@ def check_schedule(config: dict, as_json: bool, dump: Optional[str], serialize_l
         except OSError as e:
             print(f"error: cannot write {dump}: {e.strerror or e}", file=sys.stderr)
             return 2
-    verdict = simulate(program, serialize_lanes=serialize_lanes)
+    verdict = _simulate(program, serialize_lanes, timeline_path, _describe(config))
     if as_json:
         print(json.dumps(_record(verdict, schedule=config, file=dump)))
     else:
@@ -234,6 +247,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--serialize-lanes", action="store_true",
                    help="run each rank's steps of all lanes in one queue in issue order (the worst case NCCL allows "
                         "for communicators sharing a device); messages still pair per lane")
+    p.add_argument("--timeline", metavar="FILE", help="draw one program's simulated rounds: a Chrome trace (FILE.json, "
+                   "for Perfetto) or a picture (FILE.png)")
     return p
 
 
@@ -247,6 +262,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--reduced goes with --grid")
     if args.schedule is None and (args.pp is not None or args.dump or args.overlap or args.variable_seq_lengths):
         parser.error("--pp, --dump, --overlap and --variable-seq-lengths go with --schedule")
+    if args.timeline:
+        from .timeline import check_path
+
+        if check_path(args.timeline):
+            parser.error(check_path(args.timeline))
+        if args.grid or len(args.files) > 1:
+            parser.error("--timeline draws one program: give one FILE or --schedule")
     if args.grid:
         if args.jobs < 1:
             parser.error("--jobs must be at least 1")
@@ -257,8 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = {"schedule": args.schedule, "pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches,
                   "mode": args.mode, "lanes": args.lanes, "overlap": args.overlap,
                   "variable_seq_lengths": args.variable_seq_lengths, "eager_threshold": args.eager}
-        return check_schedule(config, args.json, args.dump, args.serialize_lanes)
-    return check_files(args.files, args.json, args.serialize_lanes)
+        return check_schedule(config, args.json, args.dump, args.serialize_lanes, args.timeline)
+    return check_files(args.files, args.json, args.serialize_lanes, args.timeline)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,14 @@ class CycleEdge:
     peer_posted: str  # what that peer has posted on that channel, in words
 
 
+@dataclass(frozen=True)
+class TimedOp:
+    """An op of the run with the rounds it was posted and completed in (None: never)."""
+    ref: OpRef
+    posted: Optional[int]
+    done: Optional[int]
+
+
 @dataclass
 class Verdict:
     verdict: str  # "ok" | "deadlock" | "mismatch"
@@ -67,6 +75,7 @@ class Verdict:
     cycle_closed: bool = True  # False: no cycle exists; `cycle` is a chain ending at a rank that finished
     num_pending: int = 0  # ops left pending (also when `pending` was not collected)
     serialize_lanes: bool = False  # each rank's lanes ran in one queue in issue order
+    timeline: list[TimedOp] = field(default_factory=list)  # every op, when simulate(timeline=True)
 
     @property
     def ok(self) -> bool:
@@ -128,13 +137,15 @@ def _peer_posted(ref: OpRef, partner_state: int, posted: int, serialize_lanes: b
     return f"rank {op.peer} has posted {posted} {want}{plural} {direction} on lane {op.lane} (this needs #{ref.seq})"
 
 
-def simulate(program: Program, *, details: bool = True, serialize_lanes: bool = False) -> Verdict:
+def simulate(program: Program, *, details: bool = True, serialize_lanes: bool = False,
+             timeline: bool = False) -> Verdict:
     """Runs `program` to quiescence and says whether it completes, deadlocks or mismatches.
     details=False skips listing every pending op (the grid only needs verdicts).
     serialize_lanes=True runs each rank's steps of all lanes in one queue in issue order (one
-    execution order per device, as NCCL may run its communicators); matching stays per lane."""
-    verdict, rounds, mismatch, cycle, closed, pending, num_pending = _C.simulate(
-        *program.packed(), details=details, serialize_lanes=serialize_lanes)
+    execution order per device, as NCCL may run its communicators); matching stays per lane.
+    timeline=True lists every op with the rounds it was posted and completed in."""
+    verdict, rounds, mismatch, cycle, closed, pending, num_pending, ops = _C.simulate(
+        *program.packed(), details=details, serialize_lanes=serialize_lanes, timeline=timeline)
     result = Verdict(verdict, rounds, num_pending=num_pending, cycle_closed=closed if verdict == "deadlock" else True,
                      serialize_lanes=serialize_lanes)
     if mismatch is not None:
@@ -152,4 +163,6 @@ def simulate(program: Program, *, details: bool = True, serialize_lanes: bool = 
         result.cycle = edges
         result.ranks = [e.rank for e in edges] + ([] if closed or not edges else [edges[-1].waits_for])
     result.pending = [_op_ref(program, t) for t in pending] if verdict == "deadlock" else []
+    result.timeline = [TimedOp(_op_ref(program, t), t[14] if t[14] >= 0 else None, t[15] if t[15] >= 0 else None)
+                       for t in ops]
     return result

@@ -1,13 +1,15 @@
 """Merges the trace dumps of a job and says what went wrong, naming ranks and ops.
 
     python -m megatron_p2p.trace DIR [--json] [--program OUT.json] [--communicator ID] [--stale S]
+                                     [--timeline FILE.json|FILE.png]
 
 It matches sends and receives per channel (src, dst, lane) in message order and reports
 unmatched ops, bytes/dtype mismatches, the wait-for cycle of the ops still pending (found by
 megatron_p2p.simulate on a program of the pending tail), missing ranks (no dump) and dead
 ranks (definition in docs/trace-format.md). `--program` turns the dumps into a program file for
-`python -m megatron_p2p.check` and `megatron_p2p.replay`. Exit status: 0 clean, 1 problems
-found, 2 bad input.
+`python -m megatron_p2p.check` and `megatron_p2p.replay`. `--timeline` draws the ops as a Chrome
+trace (.json) or a picture (.png), the cycle's marked (megatron_p2p.timeline). Exit status: 0
+clean, 1 problems found, 2 bad input.
 
 Python API: `load_dumps(directory) -> list[Dump]`, `analyse(dumps, ...) -> Report`,
 `to_program(dumps) -> Program`.
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from . import program as prog
+from . import timeline
 from .flight_recorder import FORMAT, REASONS
 from .simulate import simulate
 
@@ -112,6 +115,7 @@ class Finding:
     kind: str
     ranks: tuple[int, ...]  # global ranks involved
     text: str  # first line a summary, then details
+    ops: tuple[TraceOp, ...] = ()  # cycle: the op each rank of the cycle is blocked on
     # A cycle's ranks that have not posted an op one of its edges waits for (they could still post
     # it, unless their host is blocked); none when every edge waits on a posted, queued partner.
     unposted: tuple[int, ...] = ()
@@ -471,17 +475,18 @@ def _cycle(g: _Group, report: CommunicatorReport, explained: set[TraceOp]) -> No
         return  # stuck on ranks that post nothing more: reported as missing or dead
     ranks = tuple(g.ranks[e.rank] for e in verdict.cycle)
     lines = [f"ranks {' -> '.join(map(str, ranks + ranks[:1]))} wait on each other; none can go on"]
-    unposted: list[int] = []
+    blocked, unposted = [], []
     for e in verdict.cycle:
         ref = e.blocked_on
         op = where[ref.rank, ref.call, ref.step, ref.index]
         explained.add(op)
+        blocked.append(op)
         peer = g.ranks[e.waits_for]
         lines.append(f"rank {op.rank}: blocked on {op.describe()}; {_peer_state(g, op, peer, e.peer_posted)}")
         partner = g.sides[op.channel]["recv" if op.kind == "send" else "send"].get(op.seq)
         if (op.peer != peer or partner is None) and peer not in unposted:
             unposted.append(peer)
-    report.findings.append(Finding("cycle", ranks, "\n".join(lines), tuple(unposted)))
+    report.findings.append(Finding("cycle", ranks, "\n".join(lines), tuple(blocked), tuple(unposted)))
 
 
 def _peer_state(g: _Group, op: TraceOp, peer: int, simulated: str) -> str:
@@ -624,13 +629,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--communicator", metavar="ID", help="only this communicator")
     parser.add_argument("--stale", type=float, default=STALE_SECONDS, metavar="S",
                         help=f"a dump this much older than its peers' marks a dead rank (default {STALE_SECONDS:.0f})")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="draw the ops: a Chrome trace (FILE.json, for Perfetto) or a picture (FILE.png)")
     args = parser.parse_args(argv)
+    if args.timeline and timeline.check_path(args.timeline):
+        parser.error(timeline.check_path(args.timeline))
     try:
         dumps = load_dumps(args.dir)
         report = analyse(dumps, args.communicator, args.stale)
         if args.program:
             program = to_program(dumps, args.communicator)
             Path(args.program).write_text(prog.dumps(program))
+        if args.timeline:
+            groups = _groups(dumps, args.communicator)
+            if len(groups) > 1:
+                raise TraceError(f"the dumps hold {len(groups)} communicators "
+                                 f"{sorted(gr[0].communicator for gr in groups)}; name one with --communicator "
+                                 "for --timeline")
+            timeline.write(timeline.of_trace(groups[0], report, args.dir), args.timeline)
     except TraceError as exc:
         print(f"trace: error: {exc}", file=sys.stderr)
         return 2

@@ -57,6 +57,25 @@ def test_batched_exchange_at_pp2_is_ok(capsys):
     assert code == 0 and "OK in" in out
 
 
+def test_megatron_core_shape_round_deadlocks_under_rendezvous(capsys):
+    """megatron-core's own variable_seq_lengths shape round (one batched group of the four 64-byte
+    shape ops, all waited, before the data: Megatron-LM #5100) in the interleaved schedule."""
+    code, out, _ = run_check(capsys, str(PROGRAMS / "megatron_shape_round_pp2.json"))
+    assert code == 1
+    assert "DEADLOCK: ranks 0 -> 1 -> 0" in out
+    assert "64 bytes of int64, lane 1, message #0, call 6 '_communicate_shapes' (label 'shape grad mb0 chunk1')" in out
+
+
+def test_megatron_core_shape_round_completes_with_its_headers_buffered(tmp_path, capsys):
+    """What megatron-core relies on: the same program, the 64-byte headers buffered."""
+    doc = json.loads((PROGRAMS / "megatron_shape_round_pp2.json").read_text())
+    doc["eager_threshold"] = 64
+    buffered = tmp_path / "buffered.json"
+    buffered.write_text(json.dumps(doc))
+    code, out, _ = run_check(capsys, str(buffered))
+    assert code == 0 and "OK in" in out
+
+
 def test_json_prints_one_object_per_file(capsys):
     files = [PROGRAMS / "naive_send_first_ring.json", PROGRAMS / "parity_ring.json",
              PROGRAMS / "megatron_batched_order_pp2.json"]

@@ -90,6 +90,8 @@ static void issue(mp_sim *sim, sim_call *c)
         st->issued = 1;
         for (int32_t i = 0; i < st->nops; i++) {
             const sim_op *o = &sim->ops[st->first_op + i];
+            if (sim->posted_round)
+                sim->posted_round[st->first_op + i] = (int32_t)sim->now;
             sim->chans[o->chan].issued[o->kind]++;
         }
         if (sim->queue_head[sim_queue(sim, st->rank, st->lane)] == st->queue_pos)
@@ -139,6 +141,8 @@ static void complete(mp_sim *sim, int32_t id)
 {
     sim_op *o = &sim->ops[id];
     o->done = 1;
+    if (sim->done_round)
+        sim->done_round[id] = (int32_t)sim->now;
     sim_step *st = &sim->steps[o->step];
     sim_call *c = &sim->calls[o->call];
     sim_rank *rk = &sim->ranks[o->rank];

@@ -30,6 +30,8 @@ typedef struct {
      * when its communicators share a device (one execution order per device). Matching stays per
      * lane either way: a lane is its own communicator. */
     int serialize_lanes;
+    /* 1: keep each op's posted and completed rounds (mp_sim_op_info; mp_sim_each_op). */
+    int timeline;
 } mp_sim_program;
 
 typedef enum { MP_SIM_OK = 0, MP_SIM_DEADLOCK = 1, MP_SIM_MISMATCH = 2 } mp_sim_verdict;
@@ -45,6 +47,8 @@ typedef struct {
     int32_t partner_state;           /* in a deadlock: MP_SIM_PARTNER_* of the op it must meet */
     int64_t bytes;
     int64_t partner_posted;          /* ops of the partner's kind the peer has issued on the channel */
+    int64_t posted_round;            /* the round its rank posted it, -1 if never or not kept */
+    int64_t done_round;              /* the round it completed, -1 if never or not kept */
 } mp_sim_op_info;
 
 enum { MP_SIM_PARTNER_MISSING = 0, MP_SIM_PARTNER_QUEUED = 1, MP_SIM_PARTNER_ACTIVE = 2 };
@@ -78,5 +82,7 @@ const mp_sim_edge *mp_sim_cycle(const mp_sim *sim, size_t *n, int *closed);
 int64_t mp_sim_num_pending(const mp_sim *sim);
 /* Calls `fn` for each pending op; stops early when it returns non-zero (and returns that). */
 int mp_sim_each_pending(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx);
+/* The same for every op, in op order (a timeline of the run: posted_round, done_round). */
+int mp_sim_each_op(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx);
 
 #endif

@@ -343,6 +343,8 @@ void mp_sim_free(mp_sim *sim)
     free(sim->ranks);
     free(sim->chans);
     free(sim->chan_ops);
+    free(sim->posted_round);
+    free(sim->done_round);
     free(sim->queue_off);
     free(sim->queue_count);
     free(sim->queue_head);
@@ -387,6 +389,15 @@ mp_sim *mp_sim_new(const mp_sim_program *prog, char *err, size_t errlen, int *oo
             *oom = 1;
         mp_sim_free(sim);
         return NULL;
+    }
+    if (prog->timeline) {
+        sim->posted_round = malloc((sim->nops ? (size_t)sim->nops : 1) * sizeof *sim->posted_round);
+        sim->done_round = malloc((sim->nops ? (size_t)sim->nops : 1) * sizeof *sim->done_round);
+        if (!sim->posted_round || !sim->done_round) {
+            *oom = 1;
+            mp_sim_free(sim);
+            return NULL;
+        }
     }
     for (int32_t c = 0; c < sim->ncalls; c++)
         sim->calls[c].remaining = sim->calls[c].nops;

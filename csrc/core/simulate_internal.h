@@ -57,6 +57,7 @@ struct mp_sim {
     sim_rank *ranks;
     sim_chan *chans;
     int32_t *chan_ops;
+    int32_t *posted_round, *done_round; /* per op, only with mp_sim_program.timeline (else NULL) */
     /* A FIFO of step ids per (rank, queue), run in issue order: a step activates at its queue's
      * head. The queue is the step's lane, or the rank's one queue when lanes are serialized;
      * channels (matching) are per lane whatever the queues. */

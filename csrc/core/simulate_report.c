@@ -160,6 +160,8 @@ static void op_info(const mp_sim *sim, int32_t id, mp_sim_op_info *out)
         .partner_state = partner_state(sim, id),
         .bytes = o->bytes,
         .partner_posted = ch->issued[o->kind == KIND_SEND ? KIND_RECV : KIND_SEND],
+        .posted_round = sim->posted_round && sim->steps[o->step].issued ? sim->posted_round[id] : -1,
+        .done_round = sim->done_round && o->done ? sim->done_round[id] : -1,
     };
 }
 
@@ -291,10 +293,10 @@ const mp_sim_edge *mp_sim_cycle(const mp_sim *sim, size_t *n, int *closed)
     return sim->cycle;
 }
 
-int mp_sim_each_pending(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx)
+static int each_op(const mp_sim *sim, int pending_only, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx)
 {
     for (int32_t i = 0; i < sim->nops; i++) {
-        if (sim->ops[i].done)
+        if (pending_only && sim->ops[i].done)
             continue;
         mp_sim_op_info info;
         op_info(sim, i, &info);
@@ -303,4 +305,14 @@ int mp_sim_each_pending(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_
             return rc;
     }
     return 0;
+}
+
+int mp_sim_each_pending(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx)
+{
+    return each_op(sim, 1, fn, ctx);
+}
+
+int mp_sim_each_op(const mp_sim *sim, int (*fn)(void *ctx, const mp_sim_op_info *op), void *ctx)
+{
+    return each_op(sim, 0, fn, ctx);
 }

@@ -1,5 +1,5 @@
 /* Binding of the offline simulator: _C.simulate(size, lanes, eager_threshold, streams, details=True,
- * serialize_lanes=False). */
+ * serialize_lanes=False, timeline=False). */
 #include <string.h>
 
 #include "bindings.h"
@@ -7,12 +7,13 @@
 
 static const char *const verdict_names[] = {"ok", "deadlock", "mismatch"};
 
-/* (rank, call, step, index, seq, kind, peer, lane, bytes, dtype, slot, label, partner_state, partner_posted) */
+/* (rank, call, step, index, seq, kind, peer, lane, bytes, dtype, slot, label, partner_state, partner_posted,
+ *  posted_round, done_round) */
 static PyObject *op_tuple(const mp_sim_op_info *o)
 {
-    return Py_BuildValue("(iiiiiiiiLiiiiL)", o->rank, o->call, o->step, o->index, o->seq, o->kind, o->peer, o->lane,
+    return Py_BuildValue("(iiiiiiiiLiiiiLLL)", o->rank, o->call, o->step, o->index, o->seq, o->kind, o->peer, o->lane,
                          (long long)o->bytes, o->dtype, o->slot, o->label, o->partner_state,
-                         (long long)o->partner_posted);
+                         (long long)o->partner_posted, (long long)o->posted_round, (long long)o->done_round);
 }
 
 static int append_op(void *ctx, const mp_sim_op_info *op)
@@ -25,12 +26,12 @@ static int append_op(void *ctx, const mp_sim_op_info *op)
     return rc;
 }
 
-static PyObject *result_tuple(const mp_sim *sim, int details)
+static PyObject *result_tuple(const mp_sim *sim, int details, int timeline)
 {
     mp_sim_verdict v = mp_sim_result(sim);
-    PyObject *mismatch = Py_None, *cycle = PyList_New(0), *pending = PyList_New(0);
+    PyObject *mismatch = Py_None, *cycle = PyList_New(0), *pending = PyList_New(0), *ops = PyList_New(0);
     Py_INCREF(Py_None);
-    if (!cycle || !pending)
+    if (!cycle || !pending || !ops)
         goto fail;
     if (v == MP_SIM_MISMATCH) {
         mp_sim_op_info send, recv;
@@ -53,9 +54,12 @@ static PyObject *result_tuple(const mp_sim *sim, int details)
     }
     if (details && v != MP_SIM_OK && mp_sim_each_pending(sim, append_op, pending) != 0)
         goto fail;
-    return Py_BuildValue("(sLNNNNL)", verdict_names[v], (long long)mp_sim_rounds(sim), mismatch, cycle,
-                         PyBool_FromLong(closed), pending, (long long)mp_sim_num_pending(sim));
+    if (timeline && mp_sim_each_op(sim, append_op, ops) != 0)
+        goto fail;
+    return Py_BuildValue("(sLNNNNLN)", verdict_names[v], (long long)mp_sim_rounds(sim), mismatch, cycle,
+                         PyBool_FromLong(closed), pending, (long long)mp_sim_num_pending(sim), ops);
 fail:
+    Py_XDECREF(ops);
     Py_XDECREF(mismatch);
     Py_XDECREF(cycle);
     Py_XDECREF(pending);
@@ -64,12 +68,13 @@ fail:
 
 static PyObject *simulate(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"size", "lanes", "eager_threshold", "streams", "details", "serialize_lanes", NULL};
-    int size, lanes, details = 1, serialize_lanes = 0;
+    static char *kwlist[] = {"size", "lanes", "eager_threshold", "streams", "details", "serialize_lanes", "timeline",
+                             NULL};
+    int size, lanes, details = 1, serialize_lanes = 0, timeline = 0;
     long long eager;
     PyObject *streams;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLO|pp:simulate", kwlist, &size, &lanes, &eager, &streams, &details,
-                                     &serialize_lanes))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLO|ppp:simulate", kwlist, &size, &lanes, &eager, &streams,
+                                     &details, &serialize_lanes, &timeline))
         return NULL;
     if (size < 1 || size > 65536)
         return PyErr_Format(PyExc_ValueError, "size must be from 1 to 65536, got %d", size);
@@ -122,7 +127,8 @@ static PyObject *simulate(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kw
     }
 #pragma GCC diagnostic pop
     mp_sim_program prog = {.size = size, .nlanes = lanes, .eager_threshold = (uint64_t)eager,
-                           .streams = views, .lengths = lengths, .serialize_lanes = serialize_lanes};
+                           .streams = views, .lengths = lengths, .serialize_lanes = serialize_lanes,
+                           .timeline = timeline};
     char err[256] = "";
     int oom = 0, rc = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -141,7 +147,7 @@ static PyObject *simulate(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kw
         PyErr_NoMemory();
         goto out;
     }
-    result = result_tuple(sim, details);
+    result = result_tuple(sim, details, timeline);
 out:
     mp_sim_free(sim);
     if (copies)
@@ -155,12 +161,14 @@ out:
 
 PyMethodDef mp_simulate_methods[] = {
     {"simulate", (PyCFunction)(void (*)(void))simulate, METH_VARARGS | METH_KEYWORDS,
-     "simulate(size, lanes, eager_threshold, streams, details=True, serialize_lanes=False)\n"
-     "  -> (verdict, rounds, mismatch, cycle, cycle_closed, pending, num_pending)\n\n"
+     "simulate(size, lanes, eager_threshold, streams, details=True, serialize_lanes=False, timeline=False)\n"
+     "  -> (verdict, rounds, mismatch, cycle, cycle_closed, pending, num_pending, ops)\n\n"
      "Runs a packed program (csrc/core/simulate.h; megatron_p2p.program builds it) under the transport's\n"
      "semantics; serialize_lanes runs each rank's steps of all lanes in one queue in issue order (matching\n"
      "stays per lane). verdict: 'ok' | 'deadlock' | 'mismatch'. Ops are tuples (rank, call, step, index, seq,\n"
-     "kind, peer, lane, bytes, dtype, slot, label, partner_state, partner_posted); mismatch: (send, recv)\n"
-     "or None; cycle: [(op, waits_for_rank), ...]; pending: every op left pending (empty unless details)."},
+     "kind, peer, lane, bytes, dtype, slot, label, partner_state, partner_posted, posted_round, done_round;\n"
+     "-1: never); mismatch: (send, recv) or None; cycle: [(op, waits_for_rank), ...]; pending: every op left\n"
+     "pending (empty unless details); ops: every op, with the rounds it was posted and completed in (empty\n"
+     "unless timeline)."},
     {NULL},
 };
