@@ -35,6 +35,7 @@ import functools
 from typing import Any, Iterator, Optional, Sequence
 from unittest import mock
 
+from . import _C
 from .program import Program, ProgramBuilder
 
 NAMES = ("GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -43,6 +44,7 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 FIRST_STEPS = ("none", "vote", "metadata")
 GROUP_LANE, PAIR_LANE = 0, 1  # lazy_comms: the group communicator's lane, the pair communicators'
 _ACT, _META = 4096, 512
+MAX_EAGER = _C.MAX_EAGER_THRESHOLD  # every message of these programs is buffered
 
 # One call of a rank: [name, ops, batched, blocking, awaits], ops a list of
 # (kind, peer, bytes, dtype, label); awaits are call indices or (call, op) pairs.
@@ -87,7 +89,11 @@ class TorchRank:
             self._window.append(key)
 
     def finish(self) -> list[TorchCall]:
+        """The rank's calls; its waits after the last post are the program's final wait (so
+        the last call is never marked blocking: that wait is the same)."""
         self._window = []
+        if self.calls:
+            self.calls[-1][3] = False
         return self.calls
 
 
@@ -297,6 +303,13 @@ def _translate(order: list[Any], stages: dict[int, _Stage], rank: TorchRank) -> 
             perform(a)
 
 
+@functools.lru_cache(maxsize=1)
+def _lowered(name: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[dict[int, list], dict[int, int]]:
+    """torch's lowered action lists (without defer_pp_recv) and its stage-to-rank mapping."""
+    sched, _ = _schedule(name, pp, microbatches, stages_per_rank, False)
+    return sched.pipeline_order_with_comms, dict(sched.stage_index_to_group_rank)
+
+
 @functools.lru_cache(maxsize=4)
 def rank_calls(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool,
                first_step: str) -> tuple[list[TorchCall], ...]:
@@ -305,8 +318,11 @@ def rank_calls(name: str, pp: int, microbatches: int, stages_per_rank: int, defe
     check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step)
     if name not in RUNTIME:
         return tuple(record_calls(name, pp, microbatches=microbatches, first_step=first_step))
-    sched, _ = _schedule(name, pp, microbatches, stages_per_rank, defer_pp_recv)
-    where = dict(sched.stage_index_to_group_rank)
+    orders, where = _lowered(name, pp, microbatches, stages_per_rank)
+    if defer_pp_recv:  # what _prepare_schedule_with_comms does with defer_pp_recv=True
+        from torch.distributed.pipelining import schedules as ts
+
+        orders = ts._defer_recv_ops(orders, stage_to_rank=where.__getitem__)
     out = []
     for r, indices in enumerate(_stages_of(name, pp, stages_per_rank)):
         stages = [_Stage(i, pp * stages_per_rank, r, pp) for i in indices]
@@ -314,7 +330,7 @@ def rank_calls(name: str, pp: int, microbatches: int, stages_per_rank: int, defe
             st.stage_index_to_group_rank = where
         rank = TorchRank()
         _first_step(rank, stages, first_step)
-        _translate(sched.pipeline_order_with_comms[r], {st.stage_index: st for st in stages}, rank)
+        _translate(orders[r], {st.stage_index: st for st in stages}, rank)
         out.append(rank.finish())
     return tuple(out)
 
@@ -411,7 +427,8 @@ def generate(name: str, pp: int, *, microbatches: Optional[int] = None, stages_p
 def grid_configs(full: bool = True) -> list[dict[str, Any]]:
     """The checker's torch rows: pp 2-32 (full) or 2-4 (reduced), microbatches in {1, 2, pp,
     2 pp, 2 pp + 1, 4 pp}, stages per rank 2-4 where a class takes several (3 reduced), with
-    and without defer_pp_recv for the runtime classes. Configurations torch refuses are found
+    and without defer_pp_recv for the runtime classes (with it, also with every send buffered:
+    eager_threshold MAX_EAGER). Configurations torch refuses are found
     when generated."""
     pps = range(2, 33) if full else (2, 3, 4)
     configs = []
@@ -420,7 +437,7 @@ def grid_configs(full: bool = True) -> list[dict[str, Any]]:
         for pp in pps:
             for spr in sprs:
                 for m in sorted({1, 2, pp, 2 * pp, 2 * pp + 1, 4 * pp}):
-                    for defer in ((False, True) if name in RUNTIME else (False,)):
+                    for defer, eager in ((False, 0), (True, 0), (True, MAX_EAGER)) if name in RUNTIME else ((False, 0),):
                         configs.append({"schedule": f"torch:{name}", "pp": pp, "microbatches": m,
-                                        "stages_per_rank": spr, "defer_pp_recv": defer})
+                                        "stages_per_rank": spr, "defer_pp_recv": defer, "eager_threshold": eager})
     return configs
