@@ -72,6 +72,8 @@ def _describe(config: dict) -> str:
             parts.append(f"{key}={config[key]}")
     if config.get("first_step", "none") != "none":
         parts.append(f"first_step={config['first_step']}")
+    if config.get("executor", "runtime") != "runtime":
+        parts.append(f"executor={config['executor']}")
     for key in ("overlap", "variable_seq_lengths", "defer_pp_recv", "lazy_comms"):
         if config.get(key):
             parts.append(key)
@@ -310,6 +312,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch: prepend the first step's vote, or the vote and the metadata round")
     p.add_argument("--lazy-comms", action="store_true",
                    help="torch: NCCL's lazy communicators: single ops on lane 1 (pair), batched ops on lane 0 (group)")
+    p.add_argument("--executor", choices=("runtime", "multi"), default="runtime",
+                   help="torch: the runtime schedules' executor, or the older PipelineScheduleMulti loop")
     p.add_argument("--dump", metavar="FILE", help="write the generated program to FILE")
     p.add_argument("--grid", action="store_true", help="check the whole grid of schedules and print a table")
     p.add_argument("--reduced", action="store_true", help="with --grid: the small grid the test suite runs")
@@ -337,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--jobs must be at least 1")
         return run_grid(not args.reduced, args.jobs, args.json, args.serialize_lanes, args.family)
     torch_only = (args.stages_per_rank is not None or args.defer_pp_recv or args.first_step != "none"
-                  or args.lazy_comms)
+                  or args.lazy_comms or args.executor != "runtime")
     if args.schedule:
         if args.pp is None:
             parser.error("--schedule needs --pp")
@@ -353,12 +357,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = {"schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches,
                       "stages_per_rank": args.stages_per_rank, "defer_pp_recv": args.defer_pp_recv,
                       "first_step": args.first_step, "lazy_comms": args.lazy_comms,
-                      "eager_threshold": args.eager or 0}
+                      "eager_threshold": args.eager or 0, "executor": args.executor}
             return check_schedule(config, args.json, args.dump, args.serialize_lanes)
         if args.schedule not in ("1f1b", "interleaved"):
             parser.error(f"--schedule must be 1f1b, interleaved or torch:NAME, got {args.schedule!r}")
         if torch_only:
-            parser.error("--stages-per-rank, --defer-pp-recv, --first-step and --lazy-comms go with torch:NAME")
+            parser.error("--stages-per-rank, --defer-pp-recv, --first-step, --lazy-comms and --executor go with "
+                         "torch:NAME")
         config = {"schedule": args.schedule, "pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches,
                   "mode": args.mode, "lanes": args.lanes, "overlap": args.overlap,
                   "variable_seq_lengths": args.variable_seq_lengths, "eager_threshold": args.eager}

@@ -18,6 +18,9 @@ torch.distributed, and every wait, for one training step.
 - first_step "vote" prepends the first step's vote (blocking int32 send / recv along the
   stages and back); "metadata" adds the metadata round after it (send_object_list: an int64
   size, then the pickled uint8 payload, each a batch of one op, waited).
+- executor "multi" records the older PipelineScheduleMulti loop instead (each time step's
+  sends and its neighbours' receives in one `_batch_p2p`), on a runtime class's compute-only
+  pipeline_order.
 - lazy_comms models torch's lazy NCCL communicators: single ops on lane 1 (the pair
   communicators, all of a rank's in one queue), batched ops on lane 0 (the group's); a message
   posted as a single op on one side and inside a batch on the other never pairs. Without it
@@ -42,6 +45,7 @@ NAMES = ("GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble
 RUNTIME = NAMES[2:]
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 FIRST_STEPS = ("none", "vote", "metadata")
+EXECUTORS = ("runtime", "multi")  # _PipelineScheduleRuntime's, or the older PipelineScheduleMulti's
 GROUP_LANE, PAIR_LANE = 0, 1  # lazy_comms: the group communicator's lane, the pair communicators'
 _ACT, _META = 4096, 512
 MAX_EAGER = _C.MAX_EAGER_THRESHOLD  # every message of these programs is buffered
@@ -174,7 +178,7 @@ def _stages_of(name: str, pp: int, stages_per_rank: int) -> list[list[int]]:
 
 
 def check_config(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool,
-                 first_step: str) -> None:
+                 first_step: str, executor: str = "runtime") -> None:
     """ValueError naming a bad argument (configurations torch itself refuses are found by
     building the schedule)."""
     if name not in NAMES:
@@ -193,6 +197,11 @@ def check_config(name: str, pp: int, microbatches: int, stages_per_rank: int, de
         raise ValueError(f"defer_pp_recv is an option of the runtime schedules {RUNTIME}, not of {name}")
     if first_step not in FIRST_STEPS:
         raise ValueError(f"first_step must be one of {FIRST_STEPS}, got {first_step!r}")
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    if executor == "multi" and (name not in RUNTIME or defer_pp_recv):
+        raise ValueError("executor 'multi' (PipelineScheduleMulti's own loop, on the compute-only pipeline_order) "
+                         f"runs the runtime schedules {RUNTIME} without defer_pp_recv")
 
 
 def _schedule(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool, rank: int = 0,
@@ -312,12 +321,13 @@ def _lowered(name: str, pp: int, microbatches: int, stages_per_rank: int) -> tup
 
 @functools.lru_cache(maxsize=4)
 def rank_calls(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool,
-               first_step: str) -> tuple[list[TorchCall], ...]:
+               first_step: str, executor: str = "runtime") -> tuple[list[TorchCall], ...]:
     """Every rank's calls: generated from torch's action lists for the runtime classes,
-    recorded from torch's own loop for GPipe and 1F1B."""
-    check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step)
-    if name not in RUNTIME:
-        return tuple(record_calls(name, pp, microbatches=microbatches, first_step=first_step))
+    recorded from torch's own loop for GPipe and 1F1B and for the older executor."""
+    check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step, executor)
+    if name not in RUNTIME or executor == "multi":
+        return tuple(record_calls(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank,
+                                  first_step=first_step, executor=executor))
     orders, where = _lowered(name, pp, microbatches, stages_per_rank)
     if defer_pp_recv:  # what _prepare_schedule_with_comms does with defer_pp_recv=True
         from torch.distributed.pipelining import schedules as ts
@@ -372,11 +382,14 @@ def _recording(rank: TorchRank) -> Iterator[tuple[Any, Any]]:
 
 
 def record_calls(name: str, pp: int, *, microbatches: int, stages_per_rank: int = 1, defer_pp_recv: bool = False,
-                 first_step: str = "none") -> list[list[TorchCall]]:
+                 first_step: str = "none", executor: str = "runtime") -> list[list[TorchCall]]:
     """Every rank's calls as torch's own `_step_microbatches` of schedule `name` posts and
     waits for them, run once per rank here with stand-in stages (the first step is prepended
-    as `rank_calls` makes it)."""
-    check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step)
+    as `rank_calls` makes it). executor "multi" runs the older PipelineScheduleMulti loop on
+    the class's compute-only pipeline_order instead of _PipelineScheduleRuntime's."""
+    from torch.distributed.pipelining import schedules as ts
+
+    check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step, executor)
     out = []
     for r in range(pp):
         rank = TorchRank()
@@ -385,7 +398,8 @@ def record_calls(name: str, pp: int, *, microbatches: int, stages_per_rank: int 
             _first_step(rank, stages, first_step)
             with mock.patch.object(type(sched), "_initialize_stage" if name in ("GPipe", "1F1B")
                                    else "_initialize_stages", lambda *a, **k: None):
-                sched._step_microbatches()
+                (ts.PipelineScheduleMulti._step_microbatches(sched) if executor == "multi"
+                 else sched._step_microbatches())
         out.append(rank.finish())
     return out
 
@@ -412,7 +426,7 @@ def default_stages_per_rank(name: str) -> int:
 
 def generate(name: str, pp: int, *, microbatches: Optional[int] = None, stages_per_rank: Optional[int] = None,
              defer_pp_recv: bool = False, first_step: str = "none", lazy_comms: bool = False,
-             eager_threshold: int = 0) -> Program:
+             eager_threshold: int = 0, executor: str = "runtime") -> Program:
     """The program of torch.distributed.pipelining's schedule `name` on `pp` ranks for one
     training step of `microbatches` (default 2 pp); stages_per_rank defaults to 1 for GPipe and
     1F1B, 2 otherwise. ValueError names a bad argument, or carries torch's own refusal."""
@@ -420,7 +434,7 @@ def generate(name: str, pp: int, *, microbatches: Optional[int] = None, stages_p
         microbatches = 2 * pp if type(pp) is int else 0
     if stages_per_rank is None:
         stages_per_rank = default_stages_per_rank(name)
-    calls = rank_calls(name, pp, microbatches, stages_per_rank, bool(defer_pp_recv), first_step)
+    calls = rank_calls(name, pp, microbatches, stages_per_rank, bool(defer_pp_recv), first_step, executor)
     return build(calls, lazy_comms, eager_threshold)
 
 
