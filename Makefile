@@ -73,12 +73,13 @@ test: $(TESTING) fakes
 
 # Deadlock freedom, the long way: 1000 random programs through the checker (each against an
 # exhaustive search where small enough), 100 of them replayed on the shm transport, and the full
-# grid of megatron-core's schedules (pp 1-64), also with each rank's lanes serialized in issue order
-# (the worst case NCCL's launch order allows): about 6 minutes on 2 cores.
+# grid of megatron-core's schedules (pp 1-64) and torch.distributed.pipelining's (pp 2-32), and
+# megatron-core's again with each rank's lanes serialized in issue order (the worst case NCCL's
+# launch order allows; torch's programs post on one lane).
 verify: $(TESTING) fakes
 	MEGATRON_P2P_VERIFY_PROGRAMS=1000 MEGATRON_P2P_VERIFY_REPLAYS=100 $(PY) -m pytest -q tests/test_check.py tests/test_replay.py
 	$(PY) -m megatron_p2p.check --grid
-	$(PY) -m megatron_p2p.check --grid --serialize-lanes
+	$(PY) -m megatron_p2p.check --grid --serialize-lanes --family megatron
 
 # The soak, long (tests/test_soak.py; `make test` runs a short one): 100,000 exchanges of random
 # sizes, modes and lane counts on 3 ranks (an odd ring: prev and next differ), and 200

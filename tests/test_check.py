@@ -246,7 +246,7 @@ def test_schedule_json(capsys):
 
 
 def test_reduced_grid_prints_a_table_and_a_total(capsys):
-    code, out, _ = run_check(capsys, "--grid", "--reduced", "--jobs", "2")
+    code, out, _ = run_check(capsys, "--grid", "--reduced", "--family", "megatron", "--jobs", "2")
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["1f1b", "bat", "1L"]
     assert any(line.startswith("pp 3-4 ") for line in lines)
@@ -258,9 +258,55 @@ def test_reduced_grid_prints_a_table_and_a_total(capsys):
 def test_reduced_grid_is_deadlock_free_with_lanes_serialized(capsys):
     """Each rank's lanes run one after another in issue order, the worst case NCCL allows for
     communicators sharing a device: every configuration still completes, paired right."""
-    code, out, _ = run_check(capsys, "--grid", "--reduced", "--jobs", "2", "--serialize-lanes")
+    code, out, _ = run_check(capsys, "--grid", "--reduced", "--family", "megatron", "--jobs", "2", "--serialize-lanes")
     total = next(line for line in out.splitlines() if line.startswith("grid: "))
     assert code == 0 and " 0 DEADLOCK, 0 MISMATCH" in total and total.endswith("lanes serialized in issue order")
+
+
+def test_torch_schedule_check_names_defer_pp_recvs_cycle_and_dumps_it(capsys, tmp_path):
+    dump = tmp_path / "torch.json"
+    code, out, _ = run_check(capsys, "--schedule", "torch:Interleaved1F1B", "--pp", "2", "--microbatches", "2",
+                             "--defer-pp-recv", "--dump", str(dump))
+    assert code == 1 and out.startswith("torch:Interleaved1F1B pp=2 microbatches=2 defer_pp_recv: DEADLOCK: ranks 0 -> 1")
+    assert "'isend' (label 'act mb1 s2->s3')" in out
+    assert simulate(load(dump)).verdict == "deadlock"
+
+
+def test_torch_schedule_check_without_defer_is_ok_with_the_first_step(capsys):
+    code, out, _ = run_check(capsys, "--json", "--schedule", "torch:DualPipeV", "--pp", "3", "--microbatches", "6",
+                             "--first-step", "metadata", "--lazy-comms")
+    record = json.loads(out)
+    assert code == 0 and record["verdict"] == "ok" and record["schedule"]["first_step"] == "metadata"
+
+
+@pytest.mark.parametrize("argv,problem", [
+    (["--schedule", "torch:PipeDream", "--pp", "2"], "NAME must be one of"),
+    (["--schedule", "torch:GPipe", "--pp", "2", "--vpp", "2"], "take --stages-per-rank"),
+    (["--schedule", "1f1b", "--pp", "2", "--defer-pp-recv"], "go with torch:NAME"),
+    (["--schedule", "zb", "--pp", "2"], "must be 1f1b, interleaved or torch:NAME"),
+    (["--family", "torch", "x.json"], "go with --grid"),
+])
+def test_torch_usage_errors_exit_two_naming_the_problem(capsys, argv, problem):
+    with pytest.raises(SystemExit) as e:
+        check.main(argv)
+    assert e.value.code == 2 and problem in capsys.readouterr().err
+
+
+def test_torch_schedule_torch_refuses_exits_two_with_torchs_reason(capsys):
+    code, _, err = run_check(capsys, "--schedule", "torch:1F1B", "--pp", "4", "--microbatches", "2")
+    assert code == 2 and "torch refuses 1F1B" in err and "must be greater than" in err
+
+
+def test_reduced_torch_grid_prints_a_row_per_class_and_defer_failures_leave_the_status_zero(capsys):
+    code, out, _ = run_check(capsys, "--grid", "--reduced", "--family", "torch", "--jobs", "1")
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["torch.distributed.pipelining", "pp", "2"]
+    rows = {line.split("  ")[0] for line in lines[1:]}
+    assert {"GPipe", "1F1B", "DualPipeV", "Interleaved1F1B +defer", "ZBVZeroBubble +defer buffered"} <= rows
+    assert next(line for line in lines if line.startswith("Interleaved1F1B ")).split()[1:3] == ["all", "8"]
+    assert "M /" in next(line for line in lines if line.startswith("ZBVZeroBubble +defer buffered"))
+    total = next(line for line in lines if line.startswith("grid: "))
+    assert code == 0 and " by torch;" in total and " 0 DEADLOCK" not in total
 
 
 def two_rank_lane_pair(path: Path, backward_lane_first: bool) -> str:
