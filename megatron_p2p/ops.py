@@ -102,7 +102,7 @@ def _group_rank(comm: Communicator, peer: int, name: str) -> int:
     except TypeError:
         raise TypeError(f"{name} must be an int (a global rank), not {type(peer).__name__}") from None
     except ValueError:
-        raise ValueError(f"{name}={peer} is not a member of the group (global ranks {list(comm.ranks)})") from None
+        raise ValueError(f"{name}={peer} is not a rank of the group (global ranks {list(comm.ranks)})") from None
 
 
 def isend(

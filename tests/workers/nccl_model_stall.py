@@ -1,16 +1,52 @@
 """Stalls on the NCCL backend over the model, and what the stall analysis makes of them
-(megatron_p2p/stall.py). Cases (params["case"]):
+(megatron_p2p/stall.py). One job of 3 ranks runs params["cases"] in order, each on a new
+communicator, with the model's options of its "env" set while it is created:
   ring       every rank isends to its next, then irecvs from its previous rank, and synchronizes:
              the naive ring, a cycle of posted ops
-  send_send  2 ranks send to each other and synchronize (the receives never posted); with
+  send_send  ranks 0 and 1 send to each other and synchronize (the receives never posted); with
              "stream_wait", rank 1 only makes its stream wait and computes instead
-  computing  rank 1 computes params["compute"] seconds before it posts its receive
-  slow       one exchange whose kernels take MPFAKE_NCCL_DELAY_MS each (set by the test)
-Each rank reports what its synchronize raised (harness.caught), and when."""
+  computing  rank 1 computes case["compute"] seconds before it posts its receive from rank 0
+  slow       rank 0 sends to rank 1, whose kernels each take MPFAKE_NCCL_DELAY_MS
+Rank 2 takes part only in the ring. Each rank reports, per case, what its wait raised
+(harness.caught) and when."""
+import os
 import time
 
 import harness
 import nccl_model_cuda
+
+
+def run_case(mp, torch, on, case, rank):
+    numel = case.get("numel", 1 << 20)
+    comm = mp.init_communicator(backend="nccl", timeout=case["timeout"], lanes=1)
+    send = torch.full((numel,), float(comm.rank))
+    got = torch.full((numel,), -1.0)
+    kind = case["case"]
+
+    def run():
+        if kind == "ring":
+            s = comm.isend(on(send), comm.next_rank)
+            r = comm.irecv(on(got), comm.prev_rank)
+            s.synchronize()
+            r.synchronize()
+        elif rank == 2:
+            return
+        elif kind == "send_send":
+            s = comm.isend(on(send), 1 - rank)
+            if rank == 1 and case.get("stream_wait"):
+                s.wait()
+                time.sleep(case["timeout"] + 2)  # computing, never in a host wait
+            else:
+                s.synchronize()
+        elif rank == 0:  # computing, slow
+            comm.isend(on(send), 1).synchronize()
+        else:
+            time.sleep(case.get("compute", 0.0))
+            comm.irecv(on(got), 0).synchronize()
+
+    out = {"wait": harness.caught(run)}
+    comm.close()
+    return out
 
 
 def body(params):
@@ -18,36 +54,20 @@ def body(params):
     import torch
     import megatron_p2p as mp
 
-    on = nccl_model_cuda.on_device
-    case, numel = params["case"], params.get("numel", 1 << 20)
-    out = {}
-    comm = mp.init_communicator(backend="nccl", timeout=params["timeout"], lanes=1)
-    send = torch.full((numel,), float(comm.rank))
-    got = torch.full((numel,), -1.0)
-    if case == "ring":
-        def run():
-            s = comm.isend(on(send), comm.next_rank)
-            r = comm.irecv(on(got), comm.prev_rank)
-            s.synchronize()
-            r.synchronize()
-    elif case == "send_send":
-        def run():
-            s = comm.isend(on(send), 1 - comm.rank)
-            if comm.rank == 1 and params.get("stream_wait"):
-                s.wait()
-                time.sleep(params["timeout"] + 2)  # computing, never in a host wait
-            else:
-                s.synchronize()
-    else:  # computing, slow
-        def run():
-            if comm.rank == 0:
-                comm.isend(on(send), 1).synchronize()
-            else:
-                time.sleep(params.get("compute", 0.0))
-                comm.irecv(on(got), 0).synchronize()
-    out["wait"] = harness.caught(run)
-    out["received"] = sorted(set(got.tolist()))
-    return out
+    rank = int(os.environ["RANK"])
+    results = []
+    for case in params["cases"]:
+        saved = {k: os.environ.get(k) for k in case.get("env", {})}
+        os.environ.update(case.get("env", {}))  # the model reads its options at creation
+        try:
+            results.append(run_case(mp, torch, nccl_model_cuda.on_device, case, rank))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return results
 
 
 harness.run(body)
