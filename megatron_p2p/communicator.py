@@ -197,6 +197,7 @@ def init_communicator(
                      for r in range(len(ranks))]
             relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)
             peers = nccl.PeerWatch(relay, procs[group_rank], dict(zip(ranks, procs)))
+            stall = StallWatch(store, f"{base}/{generation}/stall", ranks, me)  # a wrong setting fails here
             with torch.cuda.device(dev.index):
                 comm = _C.Communicator(
                     "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
@@ -209,7 +210,6 @@ def init_communicator(
     if backend == "shm" and _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
         _tell_if_no_single_copy(comm, ranks)
     if backend == "nccl":
-        stall = StallWatch(store, f"{base}/{generation}/stall", ranks, me)
         watchdog.watch(comm, relay, peers, stall)
     _live.add(comm)
     flight_recorder.install(comm)

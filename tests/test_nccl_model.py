@@ -659,3 +659,21 @@ def test_a_rank_computing_for_5_s_before_posting_is_not_reported(stalls):
 def test_a_slow_transfer_is_not_reported(stalls):
     for rank, wait in enumerate(stalls["slow"][:2]):
         assert wait["type"] is None and wait["elapsed"] >= 2.5, (rank, wait)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan"])
+def test_a_stall_window_that_is_not_a_positive_number_is_an_error_naming_the_variable(monkeypatch, value):
+    from megatron_p2p import stall
+
+    monkeypatch.setenv(stall.ENV_SECONDS, value)
+    with pytest.raises(ValueError, match=f"MEGATRON_P2P_STALL_SECONDS={value!r}"):
+        stall.stall_seconds()
+
+
+def test_a_positive_stall_window_is_taken_and_unset_is_one_second(monkeypatch):
+    from megatron_p2p import stall
+
+    monkeypatch.setenv(stall.ENV_SECONDS, "2.5")
+    assert stall.stall_seconds() == 2.5
+    monkeypatch.delenv(stall.ENV_SECONDS)
+    assert stall.stall_seconds() == 1.0
