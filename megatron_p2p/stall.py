@@ -65,9 +65,8 @@ def stalled_for(ops: list[dict[str, Any]], now: float) -> float:
 
 @dataclass
 class _Beat:
-    signature: str
-    beats: int
-    host_waiting: bool
+    signature: str  # what this rank last published: its ops and whether its host waits
+    beats: int      # polls it has stayed the same for
 
 
 class StallWatch:
@@ -97,7 +96,7 @@ class StallWatch:
         if self._mine is not None and self._mine.signature == signature:
             self._mine.beats += 1
         else:
-            self._mine = _Beat(signature, 1, host_waiting)
+            self._mine = _Beat(signature, 1)
             self._store.set(f"{self._key}/record/{self._rank}", json.dumps({**record, "host_waiting": host_waiting}))
         self._store.set(f"{self._key}/beat/{self._rank}", json.dumps([self._mine.beats, host_waiting]))
 
