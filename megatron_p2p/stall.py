@@ -32,6 +32,7 @@ from . import flight_recorder, trace
 ENV_SECONDS = "MEGATRON_P2P_STALL_SECONDS"
 DEFAULT_SECONDS = 1.0
 STABLE_BEATS = 3  # polls a record must stay unchanged for (the watchdog polls every 0.1 s)
+ANALYSE_EVERY = 10  # polls between analyses once a stall has lasted that long: the store's load
 _UNFINISHED = ("posted", "matched")
 
 
@@ -87,6 +88,9 @@ class StallWatch:
             comm.group_picture = None
             return None
         self._publish(record, bool(comm.host_waiting))
+        beats = self._mine.beats if self._mine is not None else 0
+        if beats < STABLE_BEATS or (beats > ANALYSE_EVERY and beats % ANALYSE_EVERY):
+            return None  # nothing to conclude yet; a long stall is analysed once a second
         report, verdict = self._analyse()
         comm.group_picture = _picture(report, self._ranks)
         return verdict
