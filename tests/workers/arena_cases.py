@@ -63,16 +63,8 @@ class Ctx:
 
     def init(self, env=None, **kwargs):
         """A communicator over both ranks, created with `env` set (and restored after)."""
-        saved = {k: os.environ.get(k) for k in env or {}}
-        os.environ.update(env or {})
-        try:
+        with harness.environ(env):
             return self.mp.init_communicator(timeout=self.timeout, **kwargs)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def sync(self, what):
         """Both ranks reach this point (a fresh store key per call)."""

@@ -4,6 +4,7 @@ The body gets the job's params (a dict). Stacks of every thread are dumped on SI
 the parent sends before it kills a job that passed its limit."""
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -12,7 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 # Workers import the package from the source tree when it is not installed.
 sys.path.append(str(Path(__file__).resolve().parents[2]))
@@ -65,3 +66,19 @@ def run(body: Callable[[dict[str, Any]], Any]) -> None:
     tmp = out / f"rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result))
     os.replace(tmp, out / f"rank{rank}.json")
+
+
+@contextlib.contextmanager
+def environ(env: Optional[dict[str, str]]) -> Iterator[None]:
+    """`env` set in os.environ for the block (the model and the package read options at
+    creation), and what was there before put back."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

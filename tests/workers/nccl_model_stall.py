@@ -57,16 +57,8 @@ def body(params):
     rank = int(os.environ["RANK"])
     results = []
     for case in params["cases"]:
-        saved = {k: os.environ.get(k) for k in case.get("env", {})}
-        os.environ.update(case.get("env", {}))  # the model reads its options at creation
-        try:
+        with harness.environ(case.get("env")):  # the model reads its options at creation
             results.append(run_case(mp, torch, nccl_model_cuda.on_device, case, rank))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return results
 
 
