@@ -23,13 +23,19 @@ static int stalled(comm_t *c)
     return atomic_load(&c->seg->error) || atomic_load(&c->conns->injected);
 }
 
+/* An injected error is logged before it is raised: NCCL's failure is warned where it happens and
+ * only then returned up to where it is stored (src/proxy.cc: ncclProxyProgress stores progressOps'
+ * result into asyncResult after it returns), so whoever reads the error finds its warning as the
+ * last error. */
 static void count_done(comm_t *c)
 {
     long done = atomic_fetch_add(&c->conns->ops_done, 1) + 1;
-    if (c->f.async_error_after >= 0 && done >= c->f.async_error_after && !atomic_exchange(&c->conns->injected, 1) &&
-        !c->f.async_error_quiet)
+    if (c->f.async_error_after < 0 || done < c->f.async_error_after || atomic_exchange(&c->conns->inject_claimed, 1))
+        return;
+    if (!c->f.async_error_quiet)
         log_warning("injected asynchronous error %d after %ld ops on rank %d", c->f.async_error_code, done,
                     c->rank);
+    atomic_store(&c->conns->injected, 1);
 }
 
 /* Claims the communicator's one mismatch error and publishes it (text first) to every rank. */

@@ -115,6 +115,7 @@ typedef struct ncclComm {
     _Atomic int in_call;       /* threads inside a call on it now */
     /* The fault options count the ops of a communicator and of the children sharing its resources
      * together (kept by `conns`), so that a count means the same with or without a split. */
+    _Atomic int inject_claimed; /* the op that raises the injected error has been chosen */
     _Atomic int injected;      /* an injected async error, once raised */
     _Atomic long ops_done;
     long ops_issued;           /* ops whose kernel has started, under lib_lock, as the two below */
