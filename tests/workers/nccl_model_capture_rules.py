@@ -110,6 +110,10 @@ def body(params):
         out["returned"] = not worker.is_alive()
         out.update(timed)
         out["aborting_after_close"] = aborting_threads()
+        exiting = time.monotonic() + 0.2  # a reaper whose abort returned may still be exiting its thread
+        while aborting_threads() and time.monotonic() < exiting:
+            time.sleep(0.005)
+        out["aborting_0_2_s_after_close"] = aborting_threads()
         if case == "abort_with_live_graph":
             assert cuda.cuGraphExecDestroy(exe) == 0 and cuda.cuGraphDestroy(graph) == 0
             deadline = time.monotonic() + 5.0
