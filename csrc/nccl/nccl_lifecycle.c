@@ -344,14 +344,15 @@ static mp_result open_device(nccl_t *n, const mp_nccl_config *cfg, char *err, si
     return MP_OK;
 }
 
-/* Whether NCCL_COMM_SPLIT_SHARE_RESOURCES=0 keeps a child from sharing its parent's abort flag: NCCL
- * lets it override the config's splitShare (NCCL 2.30: src/init.cc parseCommConfig). */
-static int env_forbids_sharing(void)
+/* Whether NCCL's parameter `name` reads `value` as a whole number, which is when NCCL lets it
+ * override a communicator's config (NCCL 2.30: src/init.cc envConfigOverride, parseCommConfig,
+ * NCCL_PARAM): NCCL_COMM_BLOCKING=1 would make the parents blocking; NCCL_COMM_SPLIT_SHARE_RESOURCES=0
+ * would keep a child from sharing its parent's abort flag. */
+static int env_reads(const char *name, long long value)
 {
-    const char *value = getenv("NCCL_COMM_SPLIT_SHARE_RESOURCES");
+    const char *text = getenv(name);
     char *end;
-    long long v = value && *value ? strtoll(value, &end, 0) : 1;
-    return value && *value && !*end && v == 0;
+    return text && *text && strtoll(text, &end, 0) == value && !*end;
 }
 
 /* Makes each lane's data communicator a blocking child of its nonblocking parent (see lane_t). The
@@ -361,7 +362,7 @@ static int env_forbids_sharing(void)
  * data, and every group end costs NCCL's thread. */
 static mp_result split_data_comms(nccl_t *n, const mp_nccl_config *cfg, double deadline, char *err, size_t errlen)
 {
-    if (!n->nccl->CommSplit || n->nccl->version < MP_NCCL_SPLIT_VERSION || env_forbids_sharing())
+    if (!n->nccl->CommSplit || n->nccl->version < MP_NCCL_SPLIT_VERSION || env_reads("NCCL_COMM_SPLIT_SHARE_RESOURCES", 0))
         return MP_OK;
     mp_ncclConfigSplit config = {
         .size = sizeof config,
@@ -426,22 +427,12 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
     return split_data_comms(n, cfg, deadline, err, errlen);
 }
 
-/* Whether NCCL_COMM_BLOCKING makes NCCL's communicators blocking: NCCL lets it override the config
- * when it reads 0 or 1 as a whole number (NCCL 2.30: src/init.cc envConfigOverride, NCCL_PARAM). */
-static int env_forces_blocking(void)
-{
-    const char *value = getenv("NCCL_COMM_BLOCKING");
-    char *end;
-    long long v = value && *value ? strtoll(value, &end, 0) : 0;
-    return value && *value && !*end && v == 1;
-}
-
 mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const mp_cuda_lib *cuda,
                        mp_transport **out, char *err, size_t errlen)
 {
     /* A blocking communicator's init and group ends block inside NCCL, where no timeout, peer's
      * failure or Ctrl-C can reach them: refused, rather than silently unabortable. */
-    if (env_forces_blocking()) {
+    if (env_reads("NCCL_COMM_BLOCKING", 1)) {
         snprintf(err, errlen, "NCCL_COMM_BLOCKING=1 in the environment makes NCCL's communicators blocking (it "
                  "overrides the nonblocking config this backend asks for), and a blocking call could then not be "
                  "ended by a timeout, a peer's failure or Ctrl-C: unset it, or set it to 0");
