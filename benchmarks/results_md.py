@@ -21,7 +21,8 @@ NOT_MEASURED = "not measured in this run"
 # Sections of RESULTS.md written by other benchmarks, by hand from their output: kept as they are
 # when this file is rewritten (placed before the plots).
 CARRIED = ("## Host cost per exchange on the NCCL path (model)",
-           "## torch.distributed.pipelining: Interleaved1F1B step")
+           "## torch.distributed.pipelining: Interleaved1F1B step",
+           "## On a GPU: one H200, NCCL 2.28.9")
 
 
 def carried_sections(md_path: Path) -> str:

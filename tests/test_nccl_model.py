@@ -555,17 +555,37 @@ def test_creation_that_times_out_says_so_and_quotes_a_last_error_only_as_possibl
 
 # ---- NCCL_COMM_BLOCKING ---------------------------------------------------------------------------
 
-def test_nccl_comm_blocking_overrides_a_nonblocking_config_in_the_model(promises):
-    """As in NCCL (src/init.cc: envConfigOverride): 1 makes a nonblocking init block, 0 leaves it
-    nonblocking, and a value that is no number is ignored."""
-    assert promises["nonblocking_init_with_NCCL_COMM_BLOCKING=1"] == 0
-    assert promises["nonblocking_init_with_NCCL_COMM_BLOCKING=0"] == 7
-    assert promises["nonblocking_init_with_NCCL_COMM_BLOCKING=yes"] == 7
+def nonblocking_inits(start: str | None, late: str) -> list[int]:
+    """The results of two one-rank nonblocking inits in a fresh process (nccl_model_params.py): one
+    under NCCL_COMM_BLOCKING=start (None: unset), one after setting it to `late`."""
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_COMM_BLOCKING"}
+    if start is not None:
+        env["NCCL_COMM_BLOCKING"] = start
+    done = subprocess.run([sys.executable, str(WORKERS / "nccl_model_params.py"), str(FAKES), late], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
 
 
-def test_a_communicator_is_refused_when_the_environment_forces_blocking_nccl():
+@pytest.mark.parametrize("start, result", [("1", 0), ("1x", 0), ("0", 7), ("yes", 7), ("2", 7), (None, 7)])
+def test_nccl_comm_blocking_overrides_a_nonblocking_config_as_nccl_parses_it(start, result):
+    """src/init.cc envConfigOverride: 0 or 1 override; NCCL parses with strtoll and no end pointer
+    (src/misc/param.cc ncclLoadParam), so "1x" reads 1 and "yes" reads 0. ncclInProgress is 7."""
+    assert nonblocking_inits(start, late="0" if start == "1" else "1")[0] == result
+
+
+@pytest.mark.parametrize("start", ["1", None])
+def test_nccl_comm_blocking_set_after_the_first_init_changes_nothing(start, promises):
+    """NCCL reads each parameter once per process and keeps it (src/include/param.h NCCL_PARAM)."""
+    first, second = nonblocking_inits(start, late="0" if start == "1" else "1")
+    assert first == second, (first, second)
+    assert promises["nonblocking_init_with_NCCL_COMM_BLOCKING=1_set_late"] == 7
+
+
+@pytest.mark.parametrize("value", ["1", "1x"])
+def test_a_communicator_is_refused_when_the_environment_forces_blocking_nccl(value):
     """Blocking NCCL calls could not be ended by a timeout, a peer's failure or Ctrl-C."""
-    v = run_one("nccl_model_errors.py", {"case": "one_rank"}, env={"NCCL_COMM_BLOCKING": "1"})
+    v = run_one("nccl_model_errors.py", {"case": "one_rank"}, env={"NCCL_COMM_BLOCKING": value})
     assert v["create"]["type"] == "P2PError", v["create"]
     assert "NCCL_COMM_BLOCKING=1 in the environment makes NCCL's communicators blocking" in v["create"]["msg"]
     assert "unset it, or set it to 0" in v["create"]["msg"]
@@ -575,6 +595,7 @@ def test_a_communicator_is_refused_when_the_environment_forces_blocking_nccl():
 def test_a_communicator_is_made_when_the_environment_leaves_nccl_nonblocking(value):
     v = run_one("nccl_model_errors.py", {"case": "one_rank"}, env={"NCCL_COMM_BLOCKING": value})
     assert v["create"]["type"] is None, v["create"]
+
 
 
 # ---- the data path's launches: blocking children of the nonblocking parents ----------------------

@@ -1,5 +1,6 @@
 /* The NCCL transport's life: error strings, the device context every call enters, creation
  * (communicators, streams, warm-up), abort and destroy, and the vtable that joins the parts. */
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -344,15 +345,20 @@ static mp_result open_device(nccl_t *n, const mp_nccl_config *cfg, char *err, si
     return MP_OK;
 }
 
-/* Whether NCCL's parameter `name` reads `value` as a whole number, which is when NCCL lets it
- * override a communicator's config (NCCL 2.30: src/init.cc envConfigOverride, parseCommConfig,
- * NCCL_PARAM): NCCL_COMM_BLOCKING=1 would make the parents blocking; NCCL_COMM_SPLIT_SHARE_RESOURCES=0
- * would keep a child from sharing its parent's abort flag. */
-static int env_reads(const char *name, long long value)
+/* NCCL's parameter `name` as NCCL parses it, or `unset` (NCCL 2.30 src/misc/param.cc ncclLoadParam:
+ * strtoll in base 0 with no end pointer, so "1x" reads 1 and "yes" reads 0). It overrides the
+ * config (src/init.cc envConfigOverride): NCCL_COMM_BLOCKING=1 would make the parents blocking,
+ * NCCL_COMM_SPLIT_SHARE_RESOURCES=0 would keep a child from sharing its parent's abort flag. NCCL
+ * reads each once per process, at its first communicator, and keeps it (src/include/param.h
+ * NCCL_PARAM); this reads it at each creation, which agrees unless the variable has changed since. */
+static long long nccl_param(const char *name, long long unset)
 {
     const char *text = getenv(name);
-    char *end;
-    return text && *text && strtoll(text, &end, 0) == value && !*end;
+    if (!text || !*text)
+        return unset;
+    errno = 0;
+    long long value = strtoll(text, NULL, 0);
+    return errno ? unset : value;
 }
 
 /* Makes each lane's data communicator a blocking child of its nonblocking parent (see lane_t). The
@@ -362,7 +368,7 @@ static int env_reads(const char *name, long long value)
  * data, and every group end costs NCCL's thread. */
 static mp_result split_data_comms(nccl_t *n, const mp_nccl_config *cfg, double deadline, char *err, size_t errlen)
 {
-    if (!n->nccl->CommSplit || n->nccl->version < MP_NCCL_SPLIT_VERSION || env_reads("NCCL_COMM_SPLIT_SHARE_RESOURCES", 0))
+    if (!n->nccl->CommSplit || n->nccl->version < MP_NCCL_SPLIT_VERSION || nccl_param("NCCL_COMM_SPLIT_SHARE_RESOURCES", 1) == 0)
         return MP_OK;
     mp_ncclConfigSplit config = {
         .size = sizeof config,
@@ -432,10 +438,11 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
 {
     /* A blocking communicator's init and group ends block inside NCCL, where no timeout, peer's
      * failure or Ctrl-C can reach them: refused, rather than silently unabortable. */
-    if (env_reads("NCCL_COMM_BLOCKING", 1)) {
+    if (nccl_param("NCCL_COMM_BLOCKING", -1) == 1) {
         snprintf(err, errlen, "NCCL_COMM_BLOCKING=1 in the environment makes NCCL's communicators blocking (it "
                  "overrides the nonblocking config this backend asks for), and a blocking call could then not be "
-                 "ended by a timeout, a peer's failure or Ctrl-C: unset it, or set it to 0");
+                 "ended by a timeout, a peer's failure or Ctrl-C: unset it, or set it to 0, before the process makes its first "
+                 "NCCL communicator (NCCL reads it once per process)");
         return MP_ERR_SYSTEM;
     }
     nccl_t *n = calloc(1, sizeof *n);

@@ -324,16 +324,29 @@ static void *init_main(void *arg)
     return NULL;
 }
 
-/* NCCL_COMM_BLOCKING, when it reads 0 or 1, overrides the config's blocking field (src/init.cc:
- * envConfigOverride, NCCL_PARAM(CommBlocking)) of every communicator, split ones too; NCCL reads
- * it once per process, the model at each init. So does NCCL_COMM_SPLIT_SHARE_RESOURCES for
- * splitShare (NCCL_PARAM(CommSplitShareResources)). */
-static int env_override(const char *name, int value)
+/* An NCCL parameter, read once per process and kept, as NCCL_PARAM does (src/include/param.h; NCCL
+ * 2.30 src/misc/param.cc ncclLoadParam): the first read, under a lock, parses with strtoll in base
+ * 0 and no end pointer (trailing text ignored, text with no number 0); unset, empty or out of range
+ * is CONFIG_UNDEF_INT, NCCL's default for both parameters below (src/init.cc). */
+#define CONFIG_UNDEF_INT (-2147483647 - 1)
+#define PARAM_UNREAD (-0x7fffffffffffffffLL - 1)
+static long long nccl_param(const char *name, long long *cache)
 {
-    const char *v = getenv(name);
-    char *end;
-    long long forced = v && v[0] ? strtoll(v, &end, 0) : -1;
-    return forced >= 0 && !*end && (forced == 0 || forced == 1) ? (int)forced : value;
+    pthread_mutex_lock(&lib_lock);
+    if (*cache == PARAM_UNREAD) {
+        const char *text = getenv(name);
+        long long value = CONFIG_UNDEF_INT;
+        if (text && text[0]) {
+            errno = 0;
+            value = strtoll(text, NULL, 0);
+            if (errno)
+                value = CONFIG_UNDEF_INT;
+        }
+        *cache = value;
+    }
+    long long value = *cache;
+    pthread_mutex_unlock(&lib_lock);
+    return value;
 }
 
 /* The fields of ncclConfig_t the model reads: its prefix through splitShare (nccl.h). */
@@ -345,7 +358,6 @@ typedef struct {
     const char *netName;
     int splitShare;
 } config_t;
-#define CONFIG_UNDEF_INT (-2147483647 - 1)
 
 /* Reads `config` over the defaults in *blocking and *share; 0, or -1 for a config NCCL refuses. */
 static int read_config(const void *config, const char *call, int *blocking, int *share)
@@ -361,8 +373,15 @@ static int read_config(const void *config, const char *call, int *blocking, int 
         if (c->size >= sizeof(config_t) && c->splitShare != CONFIG_UNDEF_INT)
             *share = c->splitShare != 0;
     }
-    *blocking = env_override("NCCL_COMM_BLOCKING", *blocking);
-    *share = env_override("NCCL_COMM_SPLIT_SHARE_RESOURCES", *share);
+    /* src/init.cc envConfigOverride: NCCL_COMM_BLOCKING overrides when it reads 0 or 1,
+     * NCCL_COMM_SPLIT_SHARE_RESOURCES whenever it is set (nonzero shares). */
+    static long long comm_blocking = PARAM_UNREAD, split_share = PARAM_UNREAD;
+    long long forced = nccl_param("NCCL_COMM_BLOCKING", &comm_blocking);
+    if (forced == 0 || forced == 1)
+        *blocking = (int)forced;
+    forced = nccl_param("NCCL_COMM_SPLIT_SHARE_RESOURCES", &split_share);
+    if (forced != CONFIG_UNDEF_INT)
+        *share = forced != 0;
     return 0;
 }
 

@@ -47,7 +47,7 @@ if [ "$status" -ne 0 ]; then
     exit 1
 fi
 if "$PY" -c "import pytest" 2>/dev/null; then
-    step gpu_checks 115 "$PY" -m pytest -v -p no:cacheprovider --durations=0 tests/gpu/test_gpu_nccl.py
+    step gpu_checks 115 "$PY" -m pytest -v -rP -p no:cacheprovider --durations=0 tests/gpu/test_gpu_nccl.py
 else
     echo "pytest is not installed here: running the checks directly"
     step gpu_checks 115 "$PY" tests/gpu/gpu_checks.py

@@ -133,17 +133,16 @@ out["send_on_comm_in_progress"] = nccl.ncclSend(src, 8, 1, 0, pending, a)
 out["in_progress_says"] = nccl.ncclGetLastError(None).decode()
 assert nccl.ncclCommAbort(failed) == 0 and nccl.ncclCommAbort(pending) == 0
 
-# NCCL_COMM_BLOCKING overrides a nonblocking config when it reads 0 or 1: forced to 1, a one-rank
-# nonblocking init returns done (0) instead of ncclInProgress (7).
-for forced in ("1", "0", "yes"):
-    os.environ["NCCL_COMM_BLOCKING"] = forced
-    one_uid, one = UniqueId(), p()
-    assert nccl.ncclGetUniqueId(ctypes.byref(one_uid)) == 0
-    out[f"nonblocking_init_with_NCCL_COMM_BLOCKING={forced}"] = nccl.ncclCommInitRankConfig(
-        ctypes.byref(one), 1, one_uid, 0, ctypes.byref(nonblocking))
-    while async_state(one) == 7:
-        time.sleep(0.01)
-    assert nccl.ncclCommAbort(one) == 0
+# NCCL reads NCCL_COMM_BLOCKING once per process (src/include/param.h NCCL_PARAM): set after this
+# process's first init, 1 leaves a nonblocking init nonblocking (ncclInProgress, 7).
+os.environ["NCCL_COMM_BLOCKING"] = "1"
+one_uid, one = UniqueId(), p()
+assert nccl.ncclGetUniqueId(ctypes.byref(one_uid)) == 0
+out["nonblocking_init_with_NCCL_COMM_BLOCKING=1_set_late"] = nccl.ncclCommInitRankConfig(
+    ctypes.byref(one), 1, one_uid, 0, ctypes.byref(nonblocking))
+while async_state(one) == 7:
+    time.sleep(0.01)
+assert nccl.ncclCommAbort(one) == 0
 del os.environ["NCCL_COMM_BLOCKING"]
 # ---- ncclCommAbort waits for the CUDA graphs that captured work on the communicator ---------------
 # NCCL 2.30: a captured plan holds comm->localPersistentRefs until its graph is destroyed
