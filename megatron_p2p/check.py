@@ -316,9 +316,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lanes", type=int, choices=(1, 2), default=2)
     p.add_argument("--overlap", action="store_true", help="overlap_p2p_comm (interleaved)")
     p.add_argument("--variable-seq-lengths", action="store_true", help="with the shape round before each exchange")
-    p.add_argument("--eager", type=int, default=None, metavar="BYTES",
-                   help="eager threshold (default: P2PCommunicator's, 64 with --variable-seq-lengths for its shape "
-                        "headers, else 0: strict rendezvous)")
+    p.add_argument("--eager", type=int, default=0, metavar="BYTES",
+                   help="eager threshold: sends up to BYTES complete before their receive is posted (default 0: "
+                        "strict rendezvous, as P2PCommunicator's communicators)")
     p.add_argument("--stages-per-rank", type=int, default=None, metavar="S",
                    help="torch: stages per rank (default 1 for GPipe and 1F1B, else 2)")
     p.add_argument("--defer-pp-recv", action="store_true", help="torch: the runtime schedules' defer_pp_recv=True")
@@ -380,7 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = {"schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches,
                       "stages_per_rank": args.stages_per_rank, "defer_pp_recv": args.defer_pp_recv,
                       "first_step": args.first_step, "lazy_comms": args.lazy_comms,
-                      "eager_threshold": args.eager or 0, "executor": args.executor}
+                      "eager_threshold": args.eager, "executor": args.executor}
             return check_schedule(config, args.json, args.dump, args.serialize_lanes, args.timeline)
         if args.schedule not in ("1f1b", "interleaved"):
             parser.error(f"--schedule must be 1f1b, interleaved or torch:NAME, got {args.schedule!r}")

@@ -69,7 +69,7 @@ class RecordingCommunicator:
     backend = "shm"
     device = torch.device("cpu")
     closed = False
-    eager_threshold = p2p_communication.HEADER_BYTES  # what P2PCommunicator gives its own
+    eager_threshold = 0  # what P2PCommunicator gives its own
 
     def __init__(self, rank: Rank, group_rank: int, ranks: tuple[int, ...], lanes: int, header: torch.Tensor,
                  mode: str):
@@ -78,6 +78,7 @@ class RecordingCommunicator:
         self.rank, self.size, self.ranks, self.lanes = group_rank, len(ranks), ranks, lanes
         self.prev_rank = ranks[(group_rank - 1) % len(ranks)]
         self.next_rank = ranks[(group_rank + 1) % len(ranks)]
+        self.global_rank = ranks[group_rank]
         self._header = header
 
     @staticmethod
@@ -98,23 +99,36 @@ class RecordingCommunicator:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         # The program records calls without their mode: it must be the one `emit` gives them.
-        expected = p2p_communication.HEADER_MODE if call == p2p_communication.HEADER_CALL else self.mode
-        if mode != expected:
-            raise ValueError(f"{call or 'exchange'} was posted in mode {mode!r}; the generator emits {expected!r}")
+        if mode != self.mode:
+            raise ValueError(f"{call or 'exchange'} was posted in mode {mode!r}; the generator emits {self.mode!r}")
         for given, ring, what in ((prev_rank, self.prev_rank, "prev_rank"), (next_rank, self.next_rank, "next_rank")):
             if given is not None and given != ring:
                 raise ValueError(f"the recording communicator records ring exchanges; {what}={given}, ring {ring}")
         tensors = (send_next, recv_prev, send_prev, recv_next)
         for slot, t in zip(SLOTS, tensors):
             if t is not None and slot.startswith("recv"):
-                with torch.no_grad():
-                    if t.dtype == self._header.dtype and t.shape == self._header.shape:
-                        t.copy_(self._header)
-                    else:
-                        t.zero_()
+                self._fill(t)
         specs = (None if t is None else _spec(t, slot) for slot, t in zip(SLOTS, tensors))
         index = self.recorded.post(call or "", *specs)
         return {slot: _Request(self.recorded, index, slot) for slot, t in zip(SLOTS, tensors) if t is not None}
+
+    def batch(self, ops, *, lane=0, call=None) -> list[_Request]:
+        """Records one step of (is_send, tensor, global peer) ops on `lane`."""
+        for is_send, t, _ in ops:
+            if not is_send:
+                self._fill(t)
+        step = [("send" if is_send else "recv", self.ranks.index(peer), *_spec(t, "op")[:2], "op")
+                for is_send, t, peer in ops]
+        index = self.recorded.post_step(call or "", lane, step)
+        return [_Request(self.recorded, index, i) for i in range(len(ops))]
+
+    def _fill(self, t: torch.Tensor) -> None:
+        """A receive gets the header of the tensor every stage sends, or zeros."""
+        with torch.no_grad():
+            if t.dtype == self._header.dtype and t.shape == self._header.shape:
+                t.copy_(self._header)
+            else:
+                t.zero_()
 
 
 def _spec(t: torch.Tensor, slot: str) -> tuple[int, str, str]:
@@ -199,7 +213,8 @@ def _forward_step(data_iterator: Iterator[torch.Tensor], model: Any):
 
 
 def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mode: str, overlap: bool = False,
-                 variable_seq_lengths: bool = False, tensor_bytes: int = DEFAULT_TENSOR_BYTES) -> list[list[RankCall]]:
+                 variable_seq_lengths: bool = False, tensor_bytes: int = DEFAULT_TENSOR_BYTES,
+                 lanes: int = 2) -> list[list[RankCall]]:
     """Every rank's calls, lowered as schedules.rank_calls() lowers the generator's: what
     megatron-core's real `schedule` posts and waits for through P2PCommunicator in `mode`.
     Labels are the slot names (a recording cannot tell which microbatch a receive is for)."""
@@ -236,7 +251,7 @@ def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mod
                 variable_seq_lengths=variable_seq_lengths, overlap_p2p_comm=overlap)
             config.hidden_size = hidden
             rank = Rank()
-            comm = RecordingCommunicator(rank, stage, ranks, 2, header, mode)
+            comm = RecordingCommunicator(rank, stage, ranks, lanes, header, mode)
             p2p = p2p_communication.P2PCommunicator(_Group(stage, pp, ranks), config, mode=mode, comm=comm)
             alone = _Group(0, 1, (me,))
             models = [_stage_model(config, hidden, first=(stage == 0 and c == 0)) for c in range(vpp)]
@@ -251,17 +266,14 @@ def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mod
 
 def record(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mode: str, lanes: int,
            overlap: bool = False, variable_seq_lengths: bool = False, tensor_bytes: int = DEFAULT_TENSOR_BYTES,
-           eager_threshold: Optional[int] = None) -> Program:
+           eager_threshold: int = 0) -> Program:
     """The program megatron-core's real `schedule` ("1f1b": forward_backward_pipelining_
     without_interleaving, "interleaved": forward_backward_pipelining_with_interleaving) makes
     on `pp` ranks through P2PCommunicator in `mode` over `lanes` lanes, for one training step
-    of `microbatches`; activations are tensor_bytes of float32; eager_threshold defaults as in
-    schedules.generate. Needs megatron-core (ImportError otherwise); ValueError names a bad
+    of `microbatches`; activations are tensor_bytes of float32. Needs megatron-core (ImportError otherwise); ValueError names a bad
     argument or a configuration megatron-core refuses."""
-    if eager_threshold is None:
-        eager_threshold = p2p_communication.HEADER_BYTES if variable_seq_lengths else 0
     calls = record_calls(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, overlap=overlap,
-                         variable_seq_lengths=variable_seq_lengths, tensor_bytes=tensor_bytes)
+                         variable_seq_lengths=variable_seq_lengths, tensor_bytes=tensor_bytes, lanes=lanes)
     builder = ProgramBuilder(pp, lanes, eager_threshold)
     for stage, rank_calls in enumerate(calls):
         emit(builder, stage, rank_calls, mode)

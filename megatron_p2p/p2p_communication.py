@@ -11,9 +11,11 @@
 What differs from megatron-core, on purpose:
 - activations and gradients never cross, also with 2 pipeline ranks (its batched order and its
   shape exchange swap them there);
-- with variable sequence lengths the shape exchange runs in the chosen mode without a
-  device-wide synchronize, and announces the dtype, so a disagreement raises MismatchError
-  naming both ranks instead of reinterpreting bytes;
+- with variable sequence lengths each shape header travels in the exchange's own steps, right
+  ahead of its tensor (shape_headers.py), so the schedules need no buffering; the exchange is
+  then issued in parity order whatever the mode, with no device-wide synchronize, and the header
+  announces the dtype, so a disagreement raises MismatchError naming both ranks instead of
+  reinterpreting bytes;
 - `batch_p2p_sync` is honoured on CUDA but not needed: stream order makes it safe to turn off;
 - `send_forward_recv_backward` / `send_backward_recv_forward` take `overlap_p2p_comm=True`
   (keyword-only) and then return `(tensor, handles)`;
@@ -28,7 +30,7 @@ from typing import Any, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, shape_headers
 from .communicator import init_communicator
 from .ops import find_communicator, get_communicator, group_ranks, register_communicator
 
@@ -37,16 +39,12 @@ logger = logging.getLogger(__name__)
 Shape = Union[List[int], torch.Size]
 
 MODES = ("parity", "batched")
+SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
 
 # Shape header of the variable-sequence-length exchange: ndim, up to _MAX_DIMS sizes, dtype code.
 _MAX_DIMS = 6
 _HEADER_WORDS = _MAX_DIMS + 2
-# The shape round's message. Like megatron-core's own shape exchange, the round needs its sends
-# buffered (complete before their receives are posted): a step's ops complete together, so a
-# wait on a header receive is a wait on the header sends grouped with it, and without buffering
-# the interleaved schedule deadlocks (python -m megatron_p2p.check --schedule interleaved
-# --variable-seq-lengths --eager 0 ... shows the cycle). NCCL buffers messages this small in
-# practice, without promising it; an shm communicator made here is told to.
+# The shape round's message (shape_headers.py says how it travels).
 HEADER_BYTES = _HEADER_WORDS * 8
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -56,12 +54,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         _DTYPE_CODE[getattr(torch, _name)] = len(_DTYPES)
         _DTYPES.append(getattr(torch, _name))
 _UNKNOWN_DTYPE = -1
-# The shape round of variable_seq_lengths is one group per lane whatever the mode: posted one by
-# one in parity order, its header sends queue ahead of the receives a neighbour in warmup needs,
-# and megatron-core's interleaved schedule deadlocks (python -m megatron_p2p.check --grid
-# --reduced shows where; megatron-core's own blocking shape round deadlocks there too).
-HEADER_CALL = "_communicate_shapes"
-HEADER_MODE = "batched"
+HEADER_CALL = "_communicate_shapes"  # the name of the header receives in reports
 
 
 def _buffer_shape(shape: Any, dtype: torch.dtype, name: str) -> list[int]:
@@ -207,7 +200,7 @@ class P2PCommunicator:
         ranks = group_ranks(pp_group)
         variable = bool(getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False))
         if comm is None:
-            comm = self._find_or_create(pp_group, ranks, backend, timeout, lanes, HEADER_BYTES if variable else 0)
+            comm = self._find_or_create(pp_group, ranks, backend, timeout, lanes)
         elif tuple(comm.ranks) != ranks:
             raise ValueError(f"comm spans global ranks {list(comm.ranks)}, pp_group spans {list(ranks)}")
         if mode is None:
@@ -224,11 +217,6 @@ class P2PCommunicator:
         self._size = len(ranks)
         self._call = "_communicate"  # the megatron-core method being served, named in reports
         self._cuda = comm.backend != "shm"
-        if variable and comm.backend == "shm" and comm.eager_threshold < HEADER_BYTES:
-            logger.warning("variable_seq_lengths on a communicator with eager_threshold %d: megatron-core's schedules "
-                           "can deadlock unless the %d-byte shape headers are buffered (python -m megatron_p2p.check "
-                           "--schedule interleaved --variable-seq-lengths --eager 0 --pp N shows the cycle); create "
-                           "it with eager_threshold=%d", comm.eager_threshold, HEADER_BYTES, HEADER_BYTES)
         logger.debug("P2PCommunicator: global rank %d, stage %d of %d (ranks %s), mode %s, backend %s, %d lane(s)",
                     ranks[me], me, len(ranks), list(ranks), mode, comm.backend, comm.lanes)
 
@@ -239,14 +227,12 @@ class P2PCommunicator:
         backend: Optional[str],
         timeout: Optional[float],
         lanes: Optional[int],
-        eager_threshold: int,
     ) -> _C.Communicator:
         comm = find_communicator(ranks)
         if comm is None:
             logger.info("creating a %s communicator over global ranks %s", backend or "shm", list(ranks))
             comm = init_communicator(pp_group, backend or "shm", 300.0 if timeout is None else timeout,
-                                     lanes=2 if lanes is None else lanes,
-                                     eager_threshold=eager_threshold if (backend or "shm") == "shm" else 0)
+                                     lanes=2 if lanes is None else lanes)
             return register_communicator(comm)
         wanted = {"backend": backend, "timeout": timeout, "lanes": lanes}
         clash = {k: (v, getattr(comm, k)) for k, v in wanted.items() if v is not None and v != getattr(comm, k)}
@@ -297,46 +283,60 @@ class P2PCommunicator:
         finally:
             self._call = outer
 
-    def _exchange(self, call: Optional[str] = None, **ops: Optional[torch.Tensor]) -> dict[str, _C.Request]:
-        mode = HEADER_MODE if call == HEADER_CALL else self.mode
+    def _exchange(self, **ops: Optional[torch.Tensor]) -> dict[str, _C.Request]:
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("exchange (%s): %s", mode,
+            logger.debug("exchange (%s): %s", self.mode,
                          ", ".join(f"{k} {tuple(v.shape)}" for k, v in ops.items() if v is not None))
-        return self.comm.exchange(mode=mode, call=call or self._call, **ops)
+        return self.comm.exchange(mode=self.mode, call=self._call, **ops)
 
-    def _exchange_headers(
-        self,
-        tensor_send_next: Optional[torch.Tensor],
-        tensor_send_prev: Optional[torch.Tensor],
-        recv_prev: bool,
-        recv_next: bool,
-        wait_sends: bool = True,
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], list[_C.Request]]:
-        """Sends each outgoing tensor's shape and dtype, in this communicator's mode, and returns
-        the headers received (None where nothing was received) and the header sends still in
-        flight (none when wait_sends)."""
-        def header(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            if t is None:
-                return None
-            if t.dim() > _MAX_DIMS:
-                raise ValueError(f"variable_seq_lengths carries shapes of at most {_MAX_DIMS} dims, got {tuple(t.shape)}")
-            words = [t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim())), _DTYPE_CODE.get(t.dtype, _UNKNOWN_DTYPE)]
-            return torch.tensor(words, dtype=torch.int64, device=self._device())
+    def _header(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() > _MAX_DIMS:
+            raise ValueError(f"variable_seq_lengths carries shapes of at most {_MAX_DIMS} dims, got {tuple(t.shape)}")
+        words = [t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim())), _DTYPE_CODE.get(t.dtype, _UNKNOWN_DTYPE)]
+        return torch.tensor(words, dtype=torch.int64, device=self._device())
 
-        def slot(wanted: bool) -> Optional[torch.Tensor]:
-            return torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) if wanted else None
-
-        got_prev, got_next = slot(recv_prev), slot(recv_next)
-        reqs = self._exchange(call=HEADER_CALL, send_next=header(tensor_send_next), recv_prev=got_prev,
-                              send_prev=header(tensor_send_prev), recv_next=got_next)
-        sends = [reqs.pop(k) for k in ("send_next", "send_prev") if k in reqs]
-        for r in reqs.values():
-            r.wait()
-        if wait_sends:
-            for r in sends:
-                r.wait()
-            sends = []
-        return got_prev, got_next, sends
+    def _exchange_with_headers(
+        self, sends: dict[str, torch.Tensor], recvs: tuple[str, ...], allocate: Optional[Any] = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, _C.Request], list[_C.Request]]:
+        """Posts an exchange step by step with its shape headers (shape_headers.round_steps): the
+        parity plan's steps, each send preceded by its header, each step with receives by their
+        headers' receives, waited for. allocate(slot, header) makes a receive's buffer; without
+        it only the headers travel. Returns (headers received, buffers, {slot: data request},
+        [header send requests])."""
+        present = tuple(s for s in SLOTS if s in sends or s in recvs)
+        peers = {"send_next": self.next_rank, "recv_next": self.next_rank,
+                 "send_prev": self.prev_rank, "recv_prev": self.prev_rank}
+        me = self.comm.global_rank
+        plan = _C.plan("parity", self.comm.lanes, self._rank_in_group % 2, present, self.prev_rank == me,
+                       self.next_rank == me)
+        headers: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        reqs: dict[str, _C.Request] = {}
+        header_sends: list[_C.Request] = []
+        for header_step, lane, slots in shape_headers.round_steps(plan):
+            if header_step:
+                got = {s: torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) for s in slots}
+                for r in self.comm.batch([(False, got[s], peers[s]) for s in slots], lane=lane, call=HEADER_CALL):
+                    r.wait()
+                headers.update(got)
+                if allocate is not None:
+                    buffers.update((s, allocate(s, got[s])) for s in slots)
+                continue
+            ops, names = [], []
+            for s in slots:
+                if s in sends:
+                    ops.append((True, self._header(sends[s]), peers[s]))
+                    names.append(None)
+                if allocate is not None:
+                    ops.append((s in sends, sends[s] if s in sends else buffers[s], peers[s]))
+                    names.append(s)
+            if ops:
+                for name, r in zip(names, self.comm.batch(ops, lane=lane, call=self._call)):
+                    if name is None:
+                        header_sends.append(r)
+                    else:
+                        reqs[name] = r
+        return headers, buffers, reqs, header_sends
 
     def _decode(self, header: Optional[torch.Tensor], peer: Optional[int]) -> tuple[list[int], Optional[torch.dtype]]:
         if header is None:
@@ -353,10 +353,14 @@ class P2PCommunicator:
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
         """megatron-core's shape exchange: returns (recv_prev_shape, recv_next_shape), each the
-        peer's tensor shape as a list, or [0, 0, 0] where nothing is received. Runs in this
-        communicator's mode, with no device-wide synchronize."""
-        got_prev, got_next, _ = self._exchange_headers(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
-        return self._decode(got_prev, self.prev_rank)[0], self._decode(got_next, self.next_rank)[0]
+        peer's tensor shape as a list, or [0, 0, 0] where nothing is received. Runs in the
+        shape round's parity order (shape_headers.py), with no device-wide synchronize."""
+        sends = {s: t for s, t in (("send_next", tensor_send_next), ("send_prev", tensor_send_prev)) if t is not None}
+        recvs = tuple(s for s, wanted in (("recv_prev", recv_prev), ("recv_next", recv_next)) if wanted)
+        got, _, _, header_sends = self._exchange_with_headers(sends, recvs)
+        for r in header_sends:
+            r.wait()
+        return self._decode(got.get("recv_prev"), self.prev_rank)[0], self._decode(got.get("recv_next"), self.next_rank)[0]
 
     def _check_dtype(self, announced: Optional[torch.dtype], peer: Optional[int], what: str) -> Optional[str]:
         want = self.config.pipeline_dtype
@@ -392,41 +396,37 @@ class P2PCommunicator:
                 )
             if wanted:
                 _check_pipeline_dtype(config.pipeline_dtype)
-        prev_dtype = next_dtype = None
         header_sends: list[_C.Request] = []
-        if variable:
-            # The header round is posted before the data: a tensor the data exchange would refuse
-            # must be refused first, or the peer gets a header and waits for data that never comes.
-            for t, name in ((tensor_send_next, "tensor_send_next"), (tensor_send_prev, "tensor_send_prev")):
-                if t is not None:
-                    self.comm.check_tensor(t, name)
-            # Header sends are not waited for here: a blocking round of its own, before the data,
-            # deadlocks megatron-core's interleaved schedule under rendezvous (gloo does, too).
-            # They precede the data on their lane, so they complete before it.
-            got_prev, got_next, header_sends = self._exchange_headers(
-                tensor_send_next, tensor_send_prev, recv_prev, recv_next, wait_sends=False)
-            prev_shape, prev_dtype = self._decode(got_prev, self.prev_rank)
-            next_shape, next_dtype = self._decode(got_next, self.next_rank)
-        else:
-            prev_shape = next_shape = tensor_shape
+        problems: list[str] = []
 
-        problems = [p for p in (self._check_dtype(prev_dtype, self.prev_rank, "recv_prev") if recv_prev else None,
-                                self._check_dtype(next_dtype, self.next_rank, "recv_next") if recv_next else None)
-                    if p]
-
-        def buffer(wanted: bool, shape: Any, announced: Optional[torch.dtype], name: str) -> Optional[torch.Tensor]:
-            if not wanted:
-                return None
+        def buffer(slot: str, shape: Any, announced: Optional[torch.dtype]) -> torch.Tensor:
+            peer = self.prev_rank if slot == "recv_prev" else self.next_rank
+            problem = self._check_dtype(announced, peer, slot)
+            if problem:
+                problems.append(problem)
             # On a dtype disagreement, take the peer's message as it is sent (so it does not hang),
             # then raise.
-            dtype = announced if problems and announced is not None else config.pipeline_dtype
-            dims = _buffer_shape(shape, dtype, name)
+            dtype = announced if problem else config.pipeline_dtype
+            dims = _buffer_shape(shape, dtype, slot)
             return self.comm.empty(dims, dtype).requires_grad_()  # shm: from the arena its peers write into
 
-        tensor_recv_prev = buffer(recv_prev, prev_shape, prev_dtype, "recv_prev")
-        tensor_recv_next = buffer(recv_next, next_shape, next_dtype, "recv_next")
-        reqs: Any = self._exchange(send_next=tensor_send_next, recv_prev=tensor_recv_prev,
-                                   send_prev=tensor_send_prev, recv_next=tensor_recv_next)
+        if variable:
+            # The headers go first: a tensor the data exchange would refuse must be refused before
+            # its header leaves, or the peer waits for data that never comes.
+            sends = {s: t for s, t in (("send_next", tensor_send_next), ("send_prev", tensor_send_prev))
+                     if t is not None}
+            for s, t in sends.items():
+                self.comm.check_tensor(t, "tensor_" + s)
+            recvs = tuple(s for s, wanted in (("recv_prev", recv_prev), ("recv_next", recv_next)) if wanted)
+            _, buffers, reqs, header_sends = self._exchange_with_headers(
+                sends, recvs, lambda s, header: buffer(s, *self._decode(header, self.prev_rank if s == "recv_prev"
+                                                                         else self.next_rank)))
+            tensor_recv_prev, tensor_recv_next = buffers.get("recv_prev"), buffers.get("recv_next")
+        else:
+            tensor_recv_prev = buffer("recv_prev", tensor_shape, None) if recv_prev else None
+            tensor_recv_next = buffer("recv_next", tensor_shape, None) if recv_next else None
+            reqs = self._exchange(send_next=tensor_send_next, recv_prev=tensor_recv_prev,
+                                  send_prev=tensor_send_prev, recv_next=tensor_recv_next)
         if problems:
             for r in [*header_sends, *reqs.values()]:
                 r.wait()

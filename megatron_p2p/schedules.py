@@ -7,8 +7,10 @@ wait, exactly as megatron-core's schedule functions drive this package's P2PComm
 - "1f1b": forward_backward_pipelining_without_interleaving (warmup, steady 1F1B, cooldown);
 - "interleaved": forward_backward_pipelining_with_interleaving, with or without
   overlap_p2p_comm (its handles become `awaits` of the later call that waits for them);
-- variable_seq_lengths adds P2PCommunicator's shape round before every exchange: the shape
-  receives are waited before the data is posted, the shape sends are not.
+- variable_seq_lengths adds P2PCommunicator's shape round (shape_headers.py): each step of an
+  exchange carries its tensors' headers, and a step with receives follows, on its lane, one of
+  their headers' receives, waited before it is posted. Those calls are explicit steps, so a
+  variable program's calls depend on the mode and lane count.
 
 Each megatron-core call becomes the exchange call(s) P2PCommunicator makes for it, named
 after the method ("send_forward_recv_backward", "_communicate_shapes" for the shape round);
@@ -30,8 +32,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Sequence
 
-from .p2p_communication import _HEADER_WORDS, HEADER_BYTES, HEADER_CALL, HEADER_MODE
-from .program import Program, ProgramBuilder
+from . import shape_headers
+from .p2p_communication import _HEADER_WORDS, HEADER_BYTES, HEADER_CALL
+from .program import Program, ProgramBuilder, _plan_for
 
 SCHEDULES = ("1f1b", "interleaved")
 MODES = ("parity", "batched")
@@ -44,13 +47,16 @@ HEADER = (HEADER_BYTES, "int64")  # the shape round's message: int64 words
 
 # One call of a rank, ready for ProgramBuilder.exchange:
 # [name, send_next, recv_prev, send_prev, recv_next, wait, awaits]
-# where each slot is None or (bytes, dtype, label) and awaits are (call, slot) pairs.
+# where each slot is None or (bytes, dtype, label) and awaits are (call, slot) pairs; or one step
+# for ProgramBuilder.steps: [name, STEP, (lane, ops), None, None, wait, awaits] with ops
+# [(kind, peer, bytes, dtype, label)] and awaits (call, slot or op index).
 RankCall = list
+STEP = "step"
 _SLOT_FIELD = {s: 1 + i for i, s in enumerate(SLOTS)}  # slot -> its field in a RankCall
 
 
-def _await_order(wait: tuple[int, str]) -> tuple[int, int]:
-    return wait[0], _SLOT_FIELD[wait[1]]
+def _await_order(wait: tuple[int, Any]) -> tuple[int, int]:
+    return wait[0], wait[1] if type(wait[1]) is int else _SLOT_FIELD[wait[1]]
 
 
 class Rank:
@@ -80,9 +86,23 @@ class Rank:
         self._left.append(0 if waited else count)
         return len(self.calls) - 1
 
-    def wait(self, call: int, slot: str) -> None:
-        """The rank blocks on one op of an earlier call (waiting again changes nothing)."""
-        if not 0 <= call < len(self.calls) or self.calls[call][_SLOT_FIELD[slot]] is None:
+    def post_step(self, name: str, lane: int, ops: Sequence[tuple[str, int, int, str, str]]) -> int:
+        """Records one step (a batch on `lane` of (kind, peer, bytes, dtype, label) ops) as a call
+        of its own; returns its index."""
+        awaits = self._close_window() if self._window else ()
+        self.calls.append([name, STEP, (lane, tuple(ops)), None, None, False, awaits])
+        self._left.append(len(ops))
+        return len(self.calls) - 1
+
+    def wait(self, call: int, slot: Any) -> None:
+        """The rank blocks on one op of an earlier call, by slot (an exchange) or index (a step);
+        waiting again changes nothing."""
+        posted = 0 <= call < len(self.calls)
+        if posted and self.calls[call][1] == STEP:
+            posted = type(slot) is int and 0 <= slot < len(self.calls[call][2][1])
+        elif posted:
+            posted = self.calls[call][_SLOT_FIELD[slot]] is not None
+        if not posted:
             raise ValueError(f"wait on {slot} of call {call}, which did not post it")
         key = (call, slot)
         if self._left[call] == 0 or key in self._waited:
@@ -112,38 +132,63 @@ class Rank:
 
 class _P2P:
     """What P2PCommunicator's methods post and wait for, on one rank. Tensors are specs
-    (bytes, dtype, label); a received tensor is the spec its sender sends (None: none)."""
+    (bytes, dtype, label); a received tensor is the spec its sender sends (None: none). With
+    variable_seq_lengths each exchange is posted step by step with its shape headers, in parity
+    order over `lanes` (shape_headers.round_steps), whatever the mode."""
 
-    def __init__(self, rank: Rank, first: bool, last: bool, variable: bool):
-        self.rank, self.first, self.last, self.variable = rank, first, last, variable
+    def __init__(self, rank: Rank, stage: int, pp: int, variable: bool, lanes: Optional[int]):
+        self.rank, self.stage, self.pp, self.variable, self.lanes = rank, stage, pp, variable, lanes
+        self.first, self.last = stage == 0, stage == pp - 1
 
     def communicate(self, name: str, send_next, recv_prev, send_prev, recv_next, wait: bool = True):
-        """P2PCommunicator._communicate. Returns the handles {slot: (call, slot)} when wait
-        is False."""
+        """P2PCommunicator._communicate. Returns the handles {slot: (call, slot or op)} when
+        wait is False."""
         rank = self.rank
-        if not self.variable:
-            if wait:
-                rank.post(name, send_next, recv_prev, send_prev, recv_next, waited=True)
-                return None
-            d = rank.post(name, send_next, recv_prev, send_prev, recv_next)
-            return {s: (d, s) for s, t in zip(SLOTS, (send_next, recv_prev, send_prev, recv_next)) if t is not None}
         specs = (send_next, recv_prev, send_prev, recv_next)
-        h = rank.post(SHAPE_ROUND, *(None if t is None else _header(t[2]) for t in specs))
-        # The shape round waits for its receives only: its sends complete behind the data.
-        if recv_prev is not None:
-            rank.wait(h, "recv_prev")
-        if recv_next is not None:
-            rank.wait(h, "recv_next")
-        d = rank.post(name, *specs)
-        posted = [s for s, t in zip(SLOTS, specs) if t is not None]
+        if self.variable:
+            handles, header_sends = self._with_headers(name, dict(zip(SLOTS, specs)))
+        elif wait:
+            rank.post(name, *specs, waited=True)
+            return None
+        else:
+            d = rank.post(name, *specs)
+            return {s: (d, s) for s, t in zip(SLOTS, specs) if t is not None}
         if not wait:
-            return {s: (d, s) for s in posted}
-        for s in SENDS:
-            if specs[SLOTS.index(s)] is not None:
-                rank.wait(h, s)
-        for s in posted:
-            rank.wait(d, s)
+            return handles
+        for h in header_sends:
+            rank.wait(*h)
+        for h in handles.values():
+            rank.wait(*h)
         return None
+
+    def _with_headers(self, name: str, specs: dict) -> tuple[dict, list]:
+        """Posts one exchange step by step with its shape headers; returns its data ops
+        {slot: (call, op)} and its header sends [(call, op)]."""
+        rank, stage, pp = self.rank, self.stage, self.pp
+        peer = {"send_next": (stage + 1) % pp, "recv_next": (stage + 1) % pp,
+                "send_prev": (stage - 1) % pp, "recv_prev": (stage - 1) % pp}
+        present = tuple(s for s in SLOTS if specs[s] is not None)
+        plan = _plan_for("parity", self.lanes, stage, present, peer["recv_prev"] == stage, peer["send_next"] == stage)
+        handles, header_sends = {}, []
+        for headers, lane, slots in shape_headers.round_steps(plan):
+            if headers:
+                h = rank.post_step(SHAPE_ROUND, lane, [("recv", peer[s], *_header(specs[s][2])) for s in slots])
+                for i in range(len(slots)):
+                    rank.wait(h, i)
+                continue
+            ops: list = []
+            at: dict[str, int] = {}
+            sent: list[int] = []
+            for s in slots:
+                if s in SENDS:
+                    sent.append(len(ops))
+                    ops.append(("send", peer[s], *_header(specs[s][2])))
+                at[s] = len(ops)
+                ops.append(("send" if s in SENDS else "recv", peer[s], *specs[s]))
+            d = rank.post_step(name, lane, ops)
+            handles.update({s: (d, i) for s, i in at.items()})
+            header_sends += [(d, i) for i in sent]
+        return handles, header_sends
 
     # megatron-core's methods, as P2PCommunicator implements them (one tensor shape).
     def recv_forward(self, tensor, is_first_stage: bool) -> None:
@@ -361,13 +406,14 @@ def _check(schedule, pp, vpp, microbatches, mode, lanes, overlap, eager_threshol
 
 @functools.lru_cache(maxsize=1)
 def rank_calls(schedule: str, pp: int, vpp: int, microbatches: int, overlap: bool, variable: bool,
-               tensor_bytes: int, dtype: str) -> tuple[list[RankCall], ...]:
-    """Every rank's calls for one schedule shape; the same for every mode and lane count."""
+               tensor_bytes: int, dtype: str, lanes: Optional[int] = None) -> tuple[list[RankCall], ...]:
+    """Every rank's calls for one schedule shape; the same for every mode and lane count, except
+    with variable_seq_lengths, whose steps are planned over `lanes`."""
     specs = _Specs(tensor_bytes, dtype, microbatches, vpp)
     out = []
     for stage in range(pp):
         rank = Rank()
-        p2p = _P2P(rank, stage == 0, stage == pp - 1, variable)
+        p2p = _P2P(rank, stage, pp, variable, lanes)
         if schedule == "1f1b":
             _one_f_one_b(p2p, stage, pp, microbatches, specs)
         else:
@@ -377,50 +423,49 @@ def rank_calls(schedule: str, pp: int, vpp: int, microbatches: int, overlap: boo
 
 
 def emit(builder: ProgramBuilder, rank: int, calls: Sequence[RankCall], mode: str) -> None:
-    """Adds one rank's lowered calls to `builder` as exchange calls in `mode` (the shape round in
-    HEADER_MODE, as P2PCommunicator posts it)."""
+    """Adds one rank's lowered calls to `builder`: exchanges in `mode`, steps as they are."""
     exchange = builder.exchange
     for name, sn, rp, sp, rn, wait, awaits in calls:
-        exchange(rank, send_next=sn, recv_prev=rp, send_prev=sp, recv_next=rn,
-                 mode=HEADER_MODE if name == HEADER_CALL else mode, wait=wait, name=name, awaits=awaits)
+        if sn == STEP:
+            builder.steps(rank, [(rp[0], list(rp[1]))], wait=wait, name=name, awaits=awaits)
+        else:
+            exchange(rank, send_next=sn, recv_prev=rp, send_prev=sp, recv_next=rn, mode=mode, wait=wait, name=name,
+                     awaits=awaits)
 
 
 def generate(schedule: str, pp: int, *, vpp: int = 1, microbatches: Optional[int] = None, mode: str = "parity",
              lanes: int = 2, overlap: bool = False, variable_seq_lengths: bool = False,
-             eager_threshold: Optional[int] = None, tensor_bytes: int = DEFAULT_TENSOR_BYTES,
+             eager_threshold: int = 0, tensor_bytes: int = DEFAULT_TENSOR_BYTES,
              dtype: str = "float32") -> Program:
     """The program of megatron-core's `schedule` ("1f1b" or "interleaved") on `pp` ranks,
     driving P2PCommunicator in `mode` over `lanes` lanes; microbatches defaults to 2 * pp, and
-    eager_threshold to what P2PCommunicator gives the communicator it creates (its shape
-    headers' size with variable_seq_lengths, else 0). Activations and gradients are tensor_bytes
-    of dtype. ValueError names a bad argument, or says why megatron-core itself refuses the
-    configuration."""
+    eager_threshold to 0 (strict rendezvous, what P2PCommunicator's communicators have).
+    Activations and gradients are tensor_bytes of dtype. ValueError names a bad argument, or says
+    why megatron-core itself refuses the configuration."""
     if microbatches is None:
         microbatches = 2 * pp
-    if eager_threshold is None:
-        eager_threshold = HEADER_BYTES if variable_seq_lengths else 0
     _check(schedule, pp, vpp, microbatches, mode, lanes, overlap, eager_threshold, tensor_bytes, dtype)
-    program = _built(schedule, pp, vpp, microbatches, mode, bool(overlap), bool(variable_seq_lengths),
-                     eager_threshold, tensor_bytes, dtype)
-    if program.lanes == lanes:
-        return program
-    if pp == 1:  # self exchanges are checked against the lane count: build afresh
+    if variable_seq_lengths or pp == 1:  # steps planned for the lane count, or self exchanges checked against it
         return _build(schedule, pp, vpp, microbatches, mode, lanes, bool(overlap), bool(variable_seq_lengths),
                       eager_threshold, tensor_bytes, dtype)
+    program = _built(schedule, pp, vpp, microbatches, mode, bool(overlap), eager_threshold, tensor_bytes, dtype)
+    if program.lanes == lanes:
+        return program
     # The calls do not depend on the lane count: only the expansion into steps does.
     return Program._packed(pp, lanes, program.eager_threshold, program._streams, program._labels, program._names,
                            program._offsets)
 
 
 @functools.lru_cache(maxsize=1)
-def _built(schedule, pp, vpp, microbatches, mode, overlap, variable, eager_threshold, tensor_bytes, dtype) -> Program:
-    return _build(schedule, pp, vpp, microbatches, mode, 2, overlap, variable, eager_threshold, tensor_bytes, dtype)
+def _built(schedule, pp, vpp, microbatches, mode, overlap, eager_threshold, tensor_bytes, dtype) -> Program:
+    return _build(schedule, pp, vpp, microbatches, mode, 2, overlap, False, eager_threshold, tensor_bytes, dtype)
 
 
 def _build(schedule, pp, vpp, microbatches, mode, lanes, overlap, variable, eager_threshold, tensor_bytes,
            dtype) -> Program:
     builder = ProgramBuilder(pp, lanes, eager_threshold)
-    calls = rank_calls(schedule, pp, vpp, microbatches, overlap, variable, tensor_bytes, dtype)
+    # Only the shape round's steps depend on the lane count; other calls fit every plan.
+    calls = rank_calls(schedule, pp, vpp, microbatches, overlap, variable, tensor_bytes, dtype, lanes if variable else None)
     for rank in range(pp):
         emit(builder, rank, calls[rank], mode)
     return builder.build()

@@ -220,28 +220,28 @@ def test_shape_exchange_with_agreeing_dtypes_reports_nothing(job):
 
 
 def test_variable_seq_lengths_setting_disagreement_raises_on_both_sides(job):
-    """Stage 0 exchanges shapes, stage 1 does not expect them: stage 1 raises MismatchError naming
-    both (the shape message is not taken as data); stage 0, whose header send was buffered and so
-    never learns it was refused, fails with a P2PError once stage 1 gives up, instead of hanging."""
+    """Stage 0 exchanges shapes, stage 1 does not expect them: the header meets stage 1's data
+    receive, and both ranks raise MismatchError naming each other (the shape message is not
+    taken as data, and nothing waits for the timeout)."""
     for rank, res in enumerate(section(job, "pp2")):
         got = res["setting mismatch ours"]
-        if rank % 2:
-            assert got.get("error_type") == "MismatchError", (rank, got)
-            assert f"rank {rank}" in got["error"] and f"rank {rank - 1}" in got["error"], got["error"]
-        else:
-            assert got.get("error_type") == "P2PError" and f"rank {rank + 1}" in got["error"], (rank, got)
+        assert got.get("error_type") == "MismatchError", (rank, got)
+        peer = rank - 1 if rank % 2 else rank + 1
+        assert f"rank {rank}" in got["error"] and f"rank {peer}" in got["error"], got["error"]
 
 
 @pytest.mark.parametrize("mode", ["parity", "batched"])
-def test_shape_round_is_one_group_per_lane_and_the_data_follows_the_mode_without_device_sync(job, mode):
+def test_shape_headers_ride_ahead_of_their_tensors_in_parity_order_without_device_sync(job, mode):
     """megatron-core's shape exchange always batches and then synchronizes the device, whatever
-    batch_p2p_comm says. Ours batches the shape round too, because in parity order it deadlocks
-    megatron-core's interleaved schedule (the checker's grid shows it), posts the data in the
-    chosen mode, and never synchronizes on CPU."""
-    for res in section(job, "modes"):
+    batch_p2p_comm says. Ours issues the exchange step by step in parity order in both modes,
+    each send after its header and each receive after its header's receive
+    (shape_headers.round_steps), and never synchronizes on CPU."""
+    for rank, res in enumerate(section(job, "modes")):
         mc, mine = res[mode]["megatron"], res[mode]["ours"]
         assert mc["calls"]["batch_isend_irecv"] >= 1 and mc["synchronize"] >= 1
-        assert mine["modes"] == ["batched", mode]
+        send, header_recv, recv = ["send", "send"], ["recv"], ["recv"]
+        assert mine["modes"] == []
+        assert mine["batches"] == ([send, header_recv, recv] if rank % 2 == 0 else [header_recv, recv, send]), rank
         assert mine["synchronize"] == 0
 
 

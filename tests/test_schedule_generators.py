@@ -20,8 +20,9 @@ from megatron_p2p.schedules import Rank, generate, grid_configs, rank_calls
 TENSOR = 4096
 
 
-def calls_of(schedule, pp, vpp=1, microbatches=None, overlap=False, variable=False):
-    return rank_calls(schedule, pp, vpp, microbatches or 2 * pp, overlap, variable, TENSOR, "float32")
+def calls_of(schedule, pp, vpp=1, microbatches=None, overlap=False, variable=False, lanes=2):
+    return rank_calls(schedule, pp, vpp, microbatches or 2 * pp, overlap, variable, TENSOR, "float32",
+                      lanes if variable else None)
 
 
 def expanded(program: Program):
@@ -130,22 +131,38 @@ def test_overlap_turns_handles_into_later_awaits_and_blocking_calls_into_waits()
     assert awaited == {"send_next", "recv_prev", "send_prev", "recv_next"}
 
 
-def test_variable_seq_lengths_adds_a_shape_round_whose_sends_are_not_waited():
-    """Each data exchange follows a _communicate_shapes call to the same peers carrying
-    int64 headers; the data call awaits the header receives only."""
-    calls = calls_of("1f1b", 3, microbatches=3, variable=True)[1]
-    mixed = 0
-    for index in range(0, len(calls), 2):
-        header, data = calls[index], calls[index + 1]
-        assert header[0] == schedules.SHAPE_ROUND and data[0] != schedules.SHAPE_ROUND
-        assert [s is None for s in header[1:5]] == [s is None for s in data[1:5]]
-        assert all(s[:2] == schedules.HEADER for s in header[1:5] if s is not None)
-        posted = {slot for slot, s in zip(schedules.SLOTS, header[1:5]) if s is not None}
-        if posted & set(schedules.RECVS) and posted & set(schedules.SENDS):  # sends and receives
-            mixed += 1
-            assert not header[5]
-            assert {slot for call, slot in data[6] if call == index} == posted & set(schedules.RECVS)
-    assert mixed == 3  # two send_forward_recv_backward, one send_backward_recv_forward
+HEADER_OP = schedules.HEADER[:2]
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_variable_seq_lengths_sends_each_header_right_ahead_of_its_tensor(lanes):
+    """Every call is one step; each data send follows its header in the step; each step with
+    data receives follows, on its lane, a step of their headers' receives that is waited for
+    before the data step is posted (shape_headers.round_steps)."""
+    for stage, calls in enumerate(calls_of("interleaved", 4, vpp=2, microbatches=8, variable=True, lanes=lanes)):
+        waited = set()
+        for index, (name, kind, (lane, ops), _, _, wait, awaits) in enumerate(calls):
+            assert kind == schedules.STEP
+            waited.update(c for c, _ in awaits)
+            if wait:
+                waited.add(index)
+            if name == schedules.SHAPE_ROUND:
+                assert all(op[0] == "recv" and tuple(op[2:4]) == HEADER_OP for op in ops), ops
+                data_lane, data_ops = calls[index + 1][2]
+                assert data_lane == lane
+                assert [op[1] for op in ops] == [op[1] for op in data_ops if op[0] == "recv"]
+                continue
+            for i, op in enumerate(ops):
+                if op[0] == "send" and tuple(op[2:4]) != HEADER_OP:
+                    assert ops[i - 1][:4] == ("send", op[1], *HEADER_OP), (stage, index, ops)
+            if any(op[0] == "recv" for op in ops):
+                assert calls[index - 1][0] == schedules.SHAPE_ROUND and index - 1 in waited, (stage, index)
+
+
+def test_a_program_without_variable_seq_lengths_has_no_headers():
+    for calls in calls_of("interleaved", 4, vpp=2, microbatches=8):
+        assert all(c[1] != schedules.STEP and c[0] != schedules.SHAPE_ROUND for c in calls)
+        assert all(s is None or s[:2] != HEADER_OP for c in calls for s in c[1:5])
 
 
 def test_a_partial_wait_is_an_await_by_op_and_a_full_wait_is_the_call_wait():
@@ -246,8 +263,13 @@ def recording():
 
 
 def without_labels(calls):
-    """A rank's lowered calls with each slot reduced to (bytes, dtype)."""
-    return [[c[0], *(None if s is None else s[:2] for s in c[1:5]), *c[5:]] for c in calls]
+    """A rank's lowered calls with each slot, or each op of a step, reduced to its payload."""
+    def strip(c):
+        if c[1] == schedules.STEP:
+            lane, ops = c[2]
+            return [c[0], c[1], (lane, [op[:4] for op in ops]), *c[3:]]
+        return [c[0], *(None if s is None else s[:2] for s in c[1:5]), *c[5:]]
+    return [strip(c) for c in calls]
 
 
 AGREEMENT = [("1f1b", pp, 1, m, False, var, mode) for pp in (1, 2, 3, 4) for m in sorted({pp, 4 * pp + 1})
@@ -263,7 +285,7 @@ def test_generator_agrees_with_megatron_core_call_for_call(recording, schedule, 
     """Op kinds, peers, bytes, dtypes, call names, waits and awaits (by op) are the same."""
     recorded = recording.record_calls(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, overlap=overlap,
                                       variable_seq_lengths=variable, tensor_bytes=TENSOR)
-    generated = rank_calls(schedule, pp, vpp, microbatches, overlap, variable, TENSOR, "float32")
+    generated = rank_calls(schedule, pp, vpp, microbatches, overlap, variable, TENSOR, "float32", 2 if variable else None)
     for stage in range(pp):
         assert without_labels(generated[stage]) == without_labels(recorded[stage]), f"stage {stage}"
 

@@ -122,11 +122,8 @@ def guarded(fn, *args):
 
 
 def our_comm(ctx, group):
-    """A megatron_p2p communicator over `group`, on the job's backend; on shm with the shape
-    headers buffered, as P2PCommunicator makes its own (NCCL buffers them itself)."""
-    mp = ctx["mp"]
-    buffered = {"eager_threshold": mp.p2p_communication.HEADER_BYTES} if ctx["backend"].name == "shm" else {}
-    return mp.init_communicator(group, ctx["backend"].name, timeout=ctx["timeout"], **buffered)
+    """A megatron_p2p communicator over `group`, on the job's backend, strict rendezvous on shm."""
+    return ctx["mp"].init_communicator(group, ctx["backend"].name, timeout=ctx["timeout"])
 
 
 def ours(ctx, group, cfg, comm):
@@ -341,12 +338,13 @@ def section_pp2(ctx):
 
 
 class RecordingComm:
-    """A communicator stand-in that records the mode of every exchange (and can claim a CUDA
-    backend while moving CPU tensors through shm)."""
+    """A communicator stand-in that records the mode of every exchange and the op kinds of every
+    batch (and can claim a CUDA backend while moving CPU tensors through shm)."""
 
     def __init__(self, comm, backend=None):
         self._comm = comm
         self.modes = []
+        self.batches = []
         self.backend = backend or comm.backend
 
     def __getattr__(self, name):
@@ -355,6 +353,10 @@ class RecordingComm:
     def exchange(self, **kw):
         self.modes.append(kw.get("mode"))
         return self._comm.exchange(**kw)
+
+    def batch(self, ops, **kw):
+        self.batches.append(["send" if is_send else "recv" for is_send, _, _ in ops])
+        return self._comm.batch(ops, **kw)
 
 
 def section_modes(ctx):
@@ -390,7 +392,7 @@ def section_modes(ctx):
             rc = RecordingComm(comm)
             mp.P2PCommunicator(world, cfg, comm=rc).send_forward_recv_forward(
                 payload(torch, (3, 2, 4), rank, 3, 1), True, (3, 2, 4))
-        ours = {"modes": rc.modes, "synchronize": COUNTS["synchronize"] - before}
+        ours = {"modes": rc.modes, "batches": rc.batches, "synchronize": COUNTS["synchronize"] - before}
         out["batched" if batch else "parity"] = {"megatron": mc, "ours": ours}
     return out
 

@@ -61,8 +61,8 @@ class SettlingRequest:
 
 
 class ModelComm:
-    """A communicator that takes CPU tensors in exchange(), for callers written for CUDA ones
-    (P2PCommunicator posts through exchange() only)."""
+    """A communicator that takes CPU tensors in exchange() and batch(), for callers written for
+    CUDA ones (P2PCommunicator posts through these two only)."""
 
     def __init__(self, comm: Any, backend: Backend):
         self._comm = comm
@@ -77,3 +77,7 @@ class ModelComm:
     def exchange(self, **kw: Any) -> dict[str, SettlingRequest]:
         ops = {k: (self._backend.tensor(v) if k.startswith(("send_", "recv_")) else v) for k, v in kw.items()}
         return {k: SettlingRequest(r, self._backend) for k, r in self._comm.exchange(**ops).items()}
+
+    def batch(self, ops: Any, **kw: Any) -> list[SettlingRequest]:
+        ops = [(is_send, self._backend.tensor(t), peer) for is_send, t, peer in ops]
+        return [SettlingRequest(r, self._backend) for r in self._comm.batch(ops, **kw)]
