@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 from unittest import mock
 
 import torch

@@ -198,7 +198,6 @@ class P2PCommunicator:
         self.pp_group = pp_group
         self.config = config
         ranks = group_ranks(pp_group)
-        variable = bool(getattr(config, "variable_seq_lengths", False) or getattr(config, "mtp_standalone", False))
         if comm is None:
             comm = self._find_or_create(pp_group, ranks, backend, timeout, lanes)
         elif tuple(comm.ranks) != ranks:

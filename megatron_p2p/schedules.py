@@ -33,7 +33,7 @@ import functools
 from typing import Any, Optional, Sequence
 
 from . import shape_headers
-from .p2p_communication import _HEADER_WORDS, HEADER_BYTES, HEADER_CALL
+from .p2p_communication import HEADER_BYTES, HEADER_CALL
 from .program import Program, ProgramBuilder, _plan_for
 
 SCHEDULES = ("1f1b", "interleaved")

@@ -255,6 +255,19 @@ def test_reduced_grid_prints_a_table_and_a_total(capsys):
     assert code == (0 if "0 DEADLOCK, 0 MISMATCH" in total else 1)
 
 
+def test_reduced_grid_with_variable_seq_lengths_completes_under_strict_rendezvous():
+    """P2PCommunicator's shape round (shape_headers.py), in both modes and lane counts, with no
+    send buffered; megatron-core's own round deadlocks (test_megatron_core_shape_round_deadlocks_
+    under_rendezvous)."""
+    from megatron_p2p.schedules import generate
+    variable = [r for r in check.grid_results(full=False, jobs=2) if r[0]["variable_seq_lengths"]]
+    assert {(c["mode"], c["lanes"]) for c, _, _, _ in variable} == {(m, n) for m in ("parity", "batched") for n in (1, 2)}
+    assert len(variable) > 100 and all(v == "ok" for _, v, _, _ in variable), [r for r in variable if r[1] != "ok"]
+    config = variable[0][0]
+    program = generate(config["schedule"], config["pp"], **{k: v for k, v in config.items() if k not in ("schedule", "pp")})
+    assert program.eager_threshold == 0
+
+
 def test_reduced_grid_is_deadlock_free_with_lanes_serialized(capsys):
     """Each rank's lanes run one after another in issue order, the worst case NCCL allows for
     communicators sharing a device: every configuration still completes, paired right."""

@@ -95,11 +95,11 @@ def test_check_timeline_png_of_the_shipped_ring(tmp_path, capsys):
 
 def test_check_timeline_of_a_schedule_shows_its_rounds(tmp_path, capsys):
     out = tmp_path / "intl.json"
-    assert check.main(["--schedule", "interleaved", "--pp", "4", "--vpp", "2", "--microbatches", "4",
-                       "--variable-seq-lengths", "--eager", "0", "--timeline", str(out)]) == 1
+    assert check.main(["--schedule", "torch:Interleaved1F1B", "--pp", "4", "--defer-pp-recv",
+                       "--timeline", str(out)]) == 1
     spans = trace_events(out)
-    assert {e["pid"] for e in spans if e["cat"] == "cycle"} == {1, 2}
-    assert max(e["ts"] + e["dur"] for e in spans) > 10 * timeline.ROUND_US  # many rounds ran before it stuck
+    assert {e["pid"] for e in spans if e["cat"] == "cycle"} == {0, 1, 2, 3}
+    assert max(e["ts"] + e["dur"] for e in spans) > 3 * timeline.ROUND_US  # rounds ran before it stuck
 
 
 @pytest.mark.parametrize("args, message", [
