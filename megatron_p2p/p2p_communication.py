@@ -57,6 +57,13 @@ _UNKNOWN_DTYPE = -1
 HEADER_CALL = "_communicate_shapes"  # the name of the header receives in reports
 
 
+def _slots(send_next: Optional[torch.Tensor], send_prev: Optional[torch.Tensor], recv_prev: bool,
+           recv_next: bool) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """megatron-core's four arguments as ({send slot: tensor}, (receive slots))."""
+    sends = {s: t for s, t in (("send_next", send_next), ("send_prev", send_prev)) if t is not None}
+    return sends, tuple(s for s, wanted in (("recv_prev", recv_prev), ("recv_next", recv_next)) if wanted)
+
+
 def _buffer_shape(shape: Any, dtype: torch.dtype, name: str) -> list[int]:
     """A receive buffer's shape, checked before anything is allocated or posted: torch would
     raise RuntimeError for a negative or overflowing one."""
@@ -354,9 +361,8 @@ class P2PCommunicator:
         """megatron-core's shape exchange: returns (recv_prev_shape, recv_next_shape), each the
         peer's tensor shape as a list, or [0, 0, 0] where nothing is received. Runs in the
         shape round's parity order (shape_headers.py), with no device-wide synchronize."""
-        sends = {s: t for s, t in (("send_next", tensor_send_next), ("send_prev", tensor_send_prev)) if t is not None}
-        recvs = tuple(s for s, wanted in (("recv_prev", recv_prev), ("recv_next", recv_next)) if wanted)
-        got, _, _, header_sends = self._exchange_with_headers(sends, recvs)
+        got, _, _, header_sends = self._exchange_with_headers(*_slots(tensor_send_next, tensor_send_prev, recv_prev,
+                                                                        recv_next))
         for r in header_sends:
             r.wait()
         return self._decode(got.get("recv_prev"), self.prev_rank)[0], self._decode(got.get("recv_next"), self.next_rank)[0]
@@ -412,11 +418,9 @@ class P2PCommunicator:
         if variable:
             # The headers go first: a tensor the data exchange would refuse must be refused before
             # its header leaves, or the peer waits for data that never comes.
-            sends = {s: t for s, t in (("send_next", tensor_send_next), ("send_prev", tensor_send_prev))
-                     if t is not None}
+            sends, recvs = _slots(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
             for s, t in sends.items():
                 self.comm.check_tensor(t, "tensor_" + s)
-            recvs = tuple(s for s, wanted in (("recv_prev", recv_prev), ("recv_next", recv_next)) if wanted)
             _, buffers, reqs, header_sends = self._exchange_with_headers(
                 sends, recvs, lambda s, header: buffer(s, *self._decode(header, self.prev_rank if s == "recv_prev"
                                                                          else self.next_rank)))
