@@ -20,7 +20,7 @@ def aborting_threads() -> int:
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
                 count += f.read().strip() == "mp2p-ncclabort"
-        except FileNotFoundError:  # it ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile (before or during the read)
             pass
     return count
 
