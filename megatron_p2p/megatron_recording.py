@@ -117,8 +117,7 @@ class RecordingCommunicator:
         for is_send, t, _ in ops:
             if not is_send:
                 self._fill(t)
-        step = [("send" if is_send else "recv", self.ranks.index(peer), *_spec(t, "op")[:2], "op")
-                for is_send, t, peer in ops]
+        step = [("send" if is_send else "recv", self.ranks.index(peer), *_spec(t, "op")) for is_send, t, peer in ops]
         index = self.recorded.post_step(call or "", lane, step)
         return [_Request(self.recorded, index, i) for i in range(len(ops))]
 

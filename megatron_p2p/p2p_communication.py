@@ -319,29 +319,28 @@ class P2PCommunicator:
         buffers: dict[str, torch.Tensor] = {}
         reqs: dict[str, _C.Request] = {}
         header_sends: list[_C.Request] = []
-        for header_step, lane, slots in shape_headers.round_steps(plan):
+        for header_step, lane, ops in shape_headers.round_steps(plan):
             if header_step:
-                got = {s: torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) for s in slots}
-                for r in self.comm.batch([(False, got[s], peers[s]) for s in slots], lane=lane, call=HEADER_CALL):
+                got = {s: torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) for s, _ in ops}
+                for r in self.comm.batch([(False, got[s], peers[s]) for s, _ in ops], lane=lane, call=HEADER_CALL):
                     r.wait()
                 headers.update(got)
                 if allocate is not None:
-                    buffers.update((s, allocate(s, got[s])) for s in slots)
+                    buffers.update((s, allocate(s, got[s])) for s in got)
                 continue
-            ops, names = [], []
-            for s in slots:
-                if s in sends:
-                    ops.append((True, self._header(sends[s]), peers[s]))
-                    names.append(None)
-                if allocate is not None:
-                    ops.append((s in sends, sends[s] if s in sends else buffers[s], peers[s]))
-                    names.append(s)
-            if ops:
-                for name, r in zip(names, self.comm.batch(ops, lane=lane, call=self._call)):
-                    if name is None:
-                        header_sends.append(r)
-                    else:
-                        reqs[name] = r
+            if allocate is None:  # the headers alone
+                ops = [op for op in ops if op[1]]
+            if not ops:
+                continue
+            tensors = [self._header(sends[s]) if is_header else sends[s] if s in sends else buffers[s]
+                       for s, is_header in ops]
+            posted = self.comm.batch([(s in sends, t, peers[s]) for (s, _), t in zip(ops, tensors)], lane=lane,
+                                     call=self._call)
+            for (s, is_header), r in zip(ops, posted):
+                if is_header:
+                    header_sends.append(r)
+                else:
+                    reqs[s] = r
         return headers, buffers, reqs, header_sends
 
     def _decode(self, header: Optional[torch.Tensor], peer: Optional[int]) -> tuple[list[int], Optional[torch.dtype]]:

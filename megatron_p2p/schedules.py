@@ -170,24 +170,17 @@ class _P2P:
         present = tuple(s for s in SLOTS if specs[s] is not None)
         plan = _plan_for("parity", self.lanes, stage, present, peer["recv_prev"] == stage, peer["send_next"] == stage)
         handles, header_sends = {}, []
-        for headers, lane, slots in shape_headers.round_steps(plan):
-            if headers:
-                h = rank.post_step(SHAPE_ROUND, lane, [("recv", peer[s], *_header(specs[s][2])) for s in slots])
-                for i in range(len(slots)):
+        for headers, lane, ops in shape_headers.round_steps(plan):
+            h = rank.post_step(SHAPE_ROUND if headers else name, lane,
+                               [("send" if s in SENDS else "recv", peer[s], *(_header(specs[s][2]) if is_header
+                                                                            else specs[s])) for s, is_header in ops])
+            for i, (s, is_header) in enumerate(ops):
+                if headers:
                     rank.wait(h, i)
-                continue
-            ops: list = []
-            at: dict[str, int] = {}
-            sent: list[int] = []
-            for s in slots:
-                if s in SENDS:
-                    sent.append(len(ops))
-                    ops.append(("send", peer[s], *_header(specs[s][2])))
-                at[s] = len(ops)
-                ops.append(("send" if s in SENDS else "recv", peer[s], *specs[s]))
-            d = rank.post_step(name, lane, ops)
-            handles.update({s: (d, i) for s, i in at.items()})
-            header_sends += [(d, i) for i in sent]
+                elif is_header:
+                    header_sends.append((h, i))
+                else:
+                    handles[s] = (h, i)
         return handles, header_sends
 
     # megatron-core's methods, as P2PCommunicator implements them (one tensor shape).

@@ -29,13 +29,13 @@ SENDS = ("send_next", "send_prev")
 RECVS = ("recv_prev", "recv_next")
 
 
-def round_steps(plan: Sequence[tuple[int, Sequence[str]]]) -> Iterator[tuple[bool, int, tuple[str, ...]]]:
+def round_steps(plan: Sequence[tuple[int, Sequence[str]]]) -> Iterator[tuple[bool, int, list[tuple[str, bool]]]]:
     """The steps of an exchange with its shape headers, from the exchange's parity plan
-    [(lane, slots)]: (headers, lane, slots). headers=True: the receives of the next step's
-    headers, to be waited for before it is posted; False: the plan's step, each send preceded by
-    its header."""
+    [(lane, slots)]: (headers, lane, ops), each op (slot, is_header). headers=True: the receives
+    of the next step's headers, to be waited for before it is posted; False: the plan's step,
+    each send preceded by its header."""
     for lane, slots in plan:
-        recvs = tuple(s for s in slots if s in RECVS)
+        recvs = [(s, True) for s in slots if s in RECVS]
         if recvs:
             yield True, lane, recvs
-        yield False, lane, tuple(slots)
+        yield False, lane, [op for s in slots for op in (((s, True), (s, False)) if s in SENDS else ((s, False),))]

@@ -169,26 +169,30 @@ def check_high_priority_lanes_and_one_lane_work() -> None:
         comm.close()
 
 
-def thread_starts_over_exchanges(**env: str) -> dict:
-    """Runs thread_starts_worker.py in a process of its own, started with `env` added, with
-    count_thread_starts.so (built here with cc) preloaded: its threads started and posting time."""
+def thread_starts_over_exchanges(*envs: dict[str, str]) -> list[dict]:
+    """Runs thread_starts_worker.py once per env, each in a process of its own started with that
+    env added and count_thread_starts.so (built here with cc) preloaded: the threads each
+    started and its posting time."""
     here = Path(__file__).resolve().parent
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_COMM_BLOCKING")}
+    out = []
     with tempfile.TemporaryDirectory() as tmp:
         shim = os.path.join(tmp, "count_thread_starts.so")
         subprocess.run(["cc", "-std=c11", "-shared", "-fPIC", "-o", shim, str(here / "count_thread_starts.c"),
                         "-ldl"], check=True)
-        base = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "NCCL_COMM_BLOCKING")}
-        done = subprocess.run([sys.executable, str(here / "thread_starts_worker.py")],
-                              env={**base, **env, "LD_PRELOAD": shim}, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        for env in envs:
+            done = subprocess.run([sys.executable, str(here / "thread_starts_worker.py")],
+                                  env={**base, **env, "LD_PRELOAD": shim}, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def check_steady_state_exchanges_start_no_thread_and_nonblocking_data_comms_do() -> None:
     """The data path's blocking children (README, "Communicator mode"): posting exchanges starts no
     thread; with NCCL_COMM_BLOCKING=0 from the process's start (NCCL reads it once per process) NCCL
     starts one per group end (src/group.cc ncclGroupEndInternal), so at least one per exchange."""
-    blocking, nonblocking = thread_starts_over_exchanges(), thread_starts_over_exchanges(NCCL_COMM_BLOCKING="0")
+    blocking, nonblocking = thread_starts_over_exchanges({}, {"NCCL_COMM_BLOCKING": "0"})
     print(f"over {blocking['exchanges']} parity exchanges: threads started {blocking['threads']} with blocking "
           f"data communicators, {nonblocking['threads']} with nonblocking ones; median host time to post "
           f"{blocking['post_us_median']:.1f} us against {nonblocking['post_us_median']:.1f} us")
