@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import socket
+import time
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -226,12 +227,22 @@ class ProcessIdentity(NamedTuple):
         return stat is None or stat[0] in (b"Z", b"X") or stat[1] != self.start
 
 
-class Loss(NamedTuple):
-    """What PeerWatch.loss() found: the global rank to name as the cause (None: this one, when only
-    the store is known gone), why, the global ranks whose processes are gone, and whether the
-    store's host is."""
+# The kernel closes a dying process's sockets (exit_files) before it marks the process exited
+# (exit_notify), so a store hosted by a rank here is found gone a moment before that rank is. A
+# store found gone waits this long for a watched peer to be found gone too, which is then named
+# as its host; after it, the host is no process of the group on this machine (another machine,
+# or torchrun's agent), and the loss names no rank. Three of the watchdog's polls: a dying
+# process's last steps take microseconds, and a busy machine delays them by a scheduler tick.
+STORE_HOST_SETTLE_SECONDS = 0.3
+NO_RANK = -1  # a Loss's rank when its cause is outside the group: abort(rank=-1) names no rank
 
-    rank: Optional[int]
+
+class Loss(NamedTuple):
+    """What PeerWatch.loss() found: the global rank to name as the cause (NO_RANK when only the
+    store is known gone: never this one, which writes the report), why, the global ranks whose
+    processes are gone, and whether the store's host is."""
+
+    rank: int
     reason: str
     dead: frozenset[int]
     store_gone: bool
@@ -243,24 +254,35 @@ class PeerWatch:
     relay's poll found its connection closed). A peer on another machine is seen only through
     NCCL's errors, the relay, or the timeout."""
 
-    def __init__(self, relay: AbortRelay, me: ProcessIdentity, peers: dict[int, ProcessIdentity]):
+    def __init__(self, relay: AbortRelay, me: ProcessIdentity, peers: dict[int, ProcessIdentity],
+                 clock: Callable[[], float] = time.monotonic):
         self._relay = relay
         self._local = {r: p for r, p in peers.items() if p.machine and p.machine == me.machine and p.pid != me.pid}
         self._dead: dict[int, ProcessIdentity] = {}
+        self._clock = clock
+        self._store_gone_at: Optional[float] = None
 
     def loss(self) -> Optional[Loss]:
-        """None while every watched peer is there and the store answers."""
+        """None while every watched peer is there and the store answers, and for
+        STORE_HOST_SETTLE_SECONDS after the store is first found gone while no peer is."""
+        gone = self._relay.store_gone  # read before the processes: its host's death shows there later
         for r, p in self._local.items():
             if r not in self._dead and p.gone():
                 self._dead[r] = p
-        gone = self._relay.store_gone
         if not self._dead and gone is None:
             return None
         deaths = "; ".join(f"global rank {r} (pid {p.pid} on {p.host}) is gone: its process exited"
                            for r, p in sorted(self._dead.items()))
-        first = min(self._dead) if self._dead else None
+        first = min(self._dead) if self._dead else NO_RANK
         if gone is None:
             return Loss(first, deaths, frozenset(self._dead), False)
+        if not self._dead:
+            now = self._clock()
+            if self._store_gone_at is None:
+                self._store_gone_at = now
+            if now - self._store_gone_at < STORE_HOST_SETTLE_SECONDS:
+                return None
+            deaths = "no process of the group on this machine exited with it: no rank is named"
         reason = f"the torch.distributed store's host is gone ({gone})" + (f"; {deaths}" if deaths else "")
         return Loss(first, reason, frozenset(self._dead), True)
 
@@ -269,7 +291,7 @@ class PeerWatch:
         self._relay.publish(loss.reason, rank=loss.rank, peer_failed=True)
 
 
-def abort_for_peer(comm: "_C.Communicator", rank: Optional[int], reason: str) -> None:
-    """Aborts `comm` naming global rank `rank` (None: this one) as the cause: its failures are
-    PeerFailureError quoting `reason`."""
+def abort_for_peer(comm: "_C.Communicator", rank: int, reason: str) -> None:
+    """Aborts `comm` naming global rank `rank` (NO_RANK: none, the cause is outside the group) as
+    the cause: its failures are PeerFailureError quoting `reason`."""
     comm.abort(rank=rank, reason=reason, peer_failed=True)

@@ -102,3 +102,20 @@ def test_the_null_transport_is_not_a_backend_of_init_communicator():
     assert "null" not in BACKENDS and "shm" in BACKENDS
     with pytest.raises(ValueError, match="backend must be one of"):
         megatron_p2p.init_communicator(backend="null")
+
+
+def test_an_abort_for_a_cause_outside_the_group_names_no_rank_and_one_for_a_peer_names_it():
+    for rank, named in ((-1, "caused outside the group"), (1, "caused by group rank 1")):
+        c = _testing.null_communicator(f"binding-layer-outside-{rank}", 0, [0, 1], timeout=10.0)
+        try:
+            c.abort(rank=rank, reason="the store's host is gone", peer_failed=True)
+            with pytest.raises(megatron_p2p.PeerFailureError, match=named):
+                c.isend(torch.ones(1), 1)
+        finally:
+            c.close()
+
+
+def test_a_cause_outside_the_group_must_be_a_peer_failure(comm):
+    with pytest.raises(ValueError, match="rank=-1 .* needs peer_failed=True"):
+        comm.abort(rank=-1, reason="why")
+    assert comm.isend(torch.ones(1), 1).wait()  # refused up front: nothing was aborted

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import Job, run_job
-from megatron_p2p.nccl import ProcessIdentity
+from megatron_p2p.nccl import NO_RANK, STORE_HOST_SETTLE_SECONDS, PeerWatch, ProcessIdentity
 from test_nccl_model import FAKE_ENV, fakes_built  # noqa: F401 - fakes_built is an autouse fixture
 
 TIMEOUT = 60.0  # the communicator's: every report asserted below comes long before it
@@ -116,6 +116,67 @@ def test_a_peer_killed_while_this_rank_is_idle_fails_the_first_op_posted_to_it_w
 
 
 # ---- the store's host gone ---------------------------------------------------------------------
+
+
+class StoreRelay:
+    """What PeerWatch reads of its AbortRelay: why the store is gone, once it is."""
+
+    store_gone: str | None = None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watch_over(child: subprocess.Popen[bytes]) -> tuple[PeerWatch, StoreRelay, Clock]:
+    """A PeerWatch of global rank 1 (this process) over global rank 0 (`child`), its relay and clock."""
+    relay, clock = StoreRelay(), Clock()
+    me = ProcessIdentity.this_process()
+    return PeerWatch(relay, me, {0: identity_of(child.pid), 1: me}, clock=clock), relay, clock  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_store_found_gone_before_its_hosts_process_is_names_that_rank_once_it_is(child):
+    """The race a busy machine showed: the store's connection closes while its host is still
+    exiting. The loss waits for the process table rather than naming no rank, or this one."""
+    watch, relay, clock = watch_over(child)
+    relay.store_gone = "Connection reset by peer"
+    assert watch.loss() is None  # settling: rank 0's process has not exited yet
+    child.kill()
+    child.wait()
+    clock.now += STORE_HOST_SETTLE_SECONDS / 2
+    loss = watch.loss()
+    assert loss is not None and loss.rank == 0 and loss.store_gone and loss.dead == {0}, loss
+    assert "store's host is gone" in loss.reason and "global rank 0 (pid" in loss.reason, loss
+
+
+def test_a_store_gone_with_every_peer_here_alive_names_no_rank_never_this_one(child):
+    watch, relay, clock = watch_over(child)
+    relay.store_gone = "Connection reset by peer"
+    assert watch.loss() is None
+    clock.now += STORE_HOST_SETTLE_SECONDS
+    loss = watch.loss()
+    assert loss is not None and loss.rank == NO_RANK and loss.store_gone and not loss.dead, loss
+    assert "no rank is named" in loss.reason and "global rank" not in loss.reason, loss
+
+
+def test_a_store_that_answers_with_every_peer_alive_is_no_loss(child):
+    watch, _, clock = watch_over(child)
+    clock.now += 10 * STORE_HOST_SETTLE_SECONDS
+    assert watch.loss() is None
+
+
 
 
 def test_the_store_host_killed_fails_the_pending_wait_within_2_s_saying_the_store_is_gone(store_killed):

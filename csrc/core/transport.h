@@ -12,6 +12,10 @@
 
 typedef struct mp_transport mp_transport;
 
+/* The cause rank of an abort whose cause is outside the group (the store's host, which may be
+ * no rank at all): a report then names no rank rather than the one that writes it. */
+#define MP_RANK_OUTSIDE (-1)
+
 typedef struct {
     const char *name;
     /* Takes ownership of `step` (from malloc); its ops are left QUEUED and reach DONE later. Fails only when
@@ -22,8 +26,9 @@ typedef struct {
      * still pending. One call is one wait: what the transport learns while blocked (a deadlock
      * search's rounds) lasts for all of it. */
     mp_result (*wait)(mp_transport *t, mp_op *op, double deadline, const mp_interrupt *interrupt);
-    /* Fails every pending op here and at every peer; the first cause recorded wins. `why` (may be
-     * NULL): the aborting rank's reason, which the failures quote. */
+    /* Fails every pending op here and at every peer; the first cause recorded wins. `rank`: the
+     * group rank that caused it, or MP_RANK_OUTSIDE. `why` (may be NULL): the aborting rank's
+     * reason, which the failures quote. */
     void (*abort)(mp_transport *t, mp_result cause, int rank, const char *why);
     /* Why the communicator is unusable (MP_OK while it is usable), and which rank caused it. */
     mp_result (*abort_cause)(mp_transport *t, int *rank);

@@ -144,9 +144,10 @@ static void nccl_abort(mp_transport *t, mp_result cause, int rank, const char *w
 {
     nccl_t *n = (nccl_t *)t;
     pthread_mutex_lock(&n->lock);
-    char detail[MP_DETAIL_LEN];
-    snprintf(detail, sizeof detail, "%s (group rank %d)%s%s", mp_result_str(cause), rank, why && why[0] ? ": " : "",
-             why ? why : "");
+    char detail[MP_DETAIL_LEN], by[32] = "outside the group";
+    if (rank != MP_RANK_OUTSIDE)
+        snprintf(by, sizeof by, "group rank %d", rank);
+    snprintf(detail, sizeof detail, "%s (%s)%s%s", mp_result_str(cause), by, why && why[0] ? ": " : "", why ? why : "");
     nccl_abort_locked(n, cause, rank, detail);
     pthread_mutex_unlock(&n->lock);
 }

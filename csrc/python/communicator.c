@@ -74,7 +74,14 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     int cause = self->group_rank;
-    if (rank_obj != Py_None && (cause = mp_comm_group_rank(self, rank_obj, "rank")) < 0)
+    int outside = rank_obj != Py_None && PyLong_Check(rank_obj) && PyLong_AsLong(rank_obj) == MP_RANK_OUTSIDE;
+    if (outside && !peer_failed) {
+        PyErr_SetString(PyExc_ValueError, "abort(): rank=-1 (a cause outside the group) needs peer_failed=True");
+        return NULL;
+    }
+    if (outside)
+        cause = MP_RANK_OUTSIDE;
+    else if (rank_obj != Py_None && (cause = mp_comm_group_rank(self, rank_obj, "rank")) < 0)
         return NULL;
     int aborted_by;
     /* It starts here: the peers first (a deadlock's verdict, with its cycle, is published by its finder). */
@@ -161,7 +168,8 @@ static PyMethodDef comm_methods[] = {
     {"abort", (PyCFunction)(void (*)(void))comm_abort, METH_VARARGS | METH_KEYWORDS,
      "abort(*, rank=None, reason=None, peer_failed=False, deadlock=False) -> None\n\nFails every pending op here "
      "and at every peer (an abort that starts here is published to the peers first). Idempotent. rank: the global "
-     "rank whose failure this abort passes on (default: this one), which reports name as the cause; reason: why, "
+     "rank whose failure this abort passes on (default: this one; -1, with peer_failed: a cause outside the group, "
+     "such as the store's host, so that reports name no rank), which reports name as the cause; reason: why, "
      "quoted by the failures it causes; peer_failed: the cause is that rank's process (or the store's host) gone, "
      "so the failures are PeerFailureError rather than P2PError; deadlock: the cause is a wait-for cycle this rank "
      "is in, so its failures here are DeadlockError."},

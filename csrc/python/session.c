@@ -186,8 +186,11 @@ int mp_comm_check_usable(CommObject *self)
         char report[4096] = "";
         if (self->transport->ops->failure_report)
             self->transport->ops->failure_report(self->transport, NULL, report, sizeof report);
-        PyErr_Format(exc, "communicator was aborted (%s, caused by group rank %d); create a new one%s%s",
-                     mp_result_str(cause), rank, report[0] ? "\n" : "", report);
+        char by[32] = "outside the group";
+        if (rank != MP_RANK_OUTSIDE)
+            snprintf(by, sizeof by, "by group rank %d", rank);
+        PyErr_Format(exc, "communicator was aborted (%s, caused %s); create a new one%s%s", mp_result_str(cause), by,
+                     report[0] ? "\n" : "", report);
         mp_comm_error_hook(self);
         return -1;
     }

@@ -58,8 +58,11 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
         snprintf(buf, len, "communicator aborted: rank %d timed out waiting for its ops", rank);
         break;
     case MP_ERR_PEER_DEAD:
-        snprintf(buf, len, "communicator aborted: rank %d (pid %d) exited", rank,
-                 rank >= 0 && rank < s->base.size ? (int)s->pids[rank] : -1);
+        if (rank == MP_RANK_OUTSIDE)
+            snprintf(buf, len, "communicator aborted: a process outside the group is gone");
+        else
+            snprintf(buf, len, "communicator aborted: rank %d (pid %d) exited", rank,
+                     rank >= 0 && rank < s->base.size ? (int)s->pids[rank] : -1);
         break;
     case MP_ERR_CLOSED:
         snprintf(buf, len, "communicator aborted: rank %d closed it with ops pending", rank);
@@ -142,7 +145,8 @@ mp_result shm_abort_cause(mp_transport *t, int *rank)
     int32_t by = atomic_load(&h->abort_rank);
     if (!atomic_load(&s->corrupt) && cause > MP_ERR_INTERRUPTED)
         shm_found_corrupt(s, "abort_cause = %u, not a result code", cause);
-    else if (!atomic_load(&s->corrupt) && cause != MP_OK && (by < 0 || by >= t->size))
+    else if (!atomic_load(&s->corrupt) && cause != MP_OK && (by < 0 || by >= t->size) &&
+             !(by == MP_RANK_OUTSIDE && cause == MP_ERR_PEER_DEAD))
         shm_found_corrupt(s, "abort_rank = %d with abort_cause %u, in a group of %d", by, cause, t->size);
     if (atomic_load(&s->corrupt)) {
         if (rank)

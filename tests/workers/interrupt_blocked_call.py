@@ -26,6 +26,9 @@ import megatron_p2p as mp
 from megatron_p2p import _C
 
 SIGNAL_AFTER = 0.3
+# Ctrl-C as an interactive Python takes it: a shell that starts the suite in the background makes
+# its jobs ignore SIGINT, and a Python started so installs no handler of its own.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def interrupted(call) -> dict:

@@ -39,6 +39,7 @@ def body(params):
     if case == "create_interrupt":
         import signal
 
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored when the suite runs in the background
         mp.nccl_version()  # loads libnccl, as init_communicator does
         ids = b"".join(mp._C.nccl_unique_id() for _ in range(2))
         threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
@@ -80,6 +81,7 @@ def body(params):
     if case == "interrupt":
         import signal
 
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored when the suite runs in the background
         reqs = comm.exchange(send_next=on(t), recv_prev=on(got))
         req = reqs["recv_prev"]
         threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
