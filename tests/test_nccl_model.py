@@ -197,21 +197,34 @@ def test_abort_joins_a_group_thread_still_waiting_at_once_and_launches_nothing(p
 # src/bootstrap.cc checkAbort; the user guide's "Fault Tolerance").
 
 def test_a_split_of_a_nonblocking_parent_runs_in_progress_and_delivers_the_child(promises):
-    for case in ("split_shared", "split_unshared"):
+    for case in ("split_shared", "split_child_only", "split_unshared"):
         assert promises[case]["split_answer"] == 7 and promises[case]["parent_during_split"] == 7, case
         assert promises[case]["child_delivered"], case
 
 
 def test_a_blocking_launch_waits_for_a_peer_that_has_not_reached_the_connection(promises):
-    assert promises["split_shared"]["launch_waits_for_the_peer"]
-    assert promises["split_unshared"]["launch_waits_for_the_peer"]
+    for case in ("split_shared", "split_child_only", "split_unshared"):
+        assert promises[case]["launch_waits_for_the_peer"], case
 
 
-def test_with_split_share_the_parents_abort_ends_the_childs_stuck_launch(promises):
+def test_a_parent_made_with_split_share_shares_its_abort_flag_but_aborting_it_during_the_childs_call_is_unsafe(
+        promises):
+    """NCCL 2.30 src/init.cc ncclCommInitChildComm: sharing is the parent's config.splitShare. The
+    shared abort flag ends the child's stuck launch, and the user guide (usage/threadsafety.rst)
+    forbids exactly that call in parallel with the child's, which the model counts."""
     shared = promises["split_shared"]
     assert shared["parent_abort_ends_the_launch"] and shared["ended_after_s"] < 0.5
     assert shared["launch_result"] == 3  # ncclInternalError, as bootstrap's checkAbort
-    assert shared["unsafe_aborts"] == 0 and shared["group_threads"] == 0
+    assert shared["unsafe_aborts"] == 1 and shared["group_threads"] == 0
+
+
+def test_split_share_in_the_childs_config_alone_shares_nothing_and_the_parents_abort_leaves_its_launch_stuck(
+        promises):
+    """The mistake the transport made before: the split's own splitShare matters only for its
+    children (NCCL 2.30 src/init.cc ncclCommInitChildComm reads the parent's)."""
+    child_only = promises["split_child_only"]
+    assert not child_only["parent_abort_ends_the_launch"]
+    assert child_only["launch_result"] == 3 and child_only["unsafe_aborts"] == 1
 
 
 def test_without_split_share_only_an_abort_of_the_child_itself_ends_it_which_nccl_calls_unsafe(promises):
@@ -598,27 +611,49 @@ def test_a_communicator_is_made_when_the_environment_leaves_nccl_nonblocking(val
 
 
 
-# ---- the data path's launches: blocking children of the nonblocking parents ----------------------
+# ---- the data path's launches: each lane one nonblocking communicator, every call under the lock ----
 # NCCL 2.30: a nonblocking communicator's group end starts a thread every time (src/group.cc
-# ncclGroupEndInternal); a blocking one launches on the caller's thread, and a launch that connects
-# a new pair waits for the peer (src/transport.cc ncclTransportP2pSetup) until the abort flag,
-# which a child split with splitShare shares with its parent (src/init.cc ncclCommInitChildComm).
+# ncclGroupEndInternal), which does the launch, and a launch that connects a new pair waits there
+# for the peer (src/transport.cc ncclTransportP2pSetup) until the abort flag. NCCL forbids calls on
+# one communicator in parallel (user guide, usage/threadsafety.rst), and completes a finished group
+# job inside ncclCommGetAsyncError with no lock (src/init.cc ncclCommGetAsyncError).
 
-def test_steady_state_exchanges_start_no_thread():
+def test_every_group_end_is_launched_on_a_thread_of_nccls_own():
     v = run_one("nccl_model_launch.py", {"case": "threads", "exchanges": 50})
-    assert v["group_threads"] == 0, v
-
-
-def test_with_nonblocking_data_communicators_every_group_end_starts_a_thread():
-    v = run_one("nccl_model_launch.py", {"case": "threads", "exchanges": 50}, env=NONBLOCKING_DATA)
     assert v["group_threads"] >= 50, v
+
+
+def test_no_nccl_call_runs_in_parallel_with_another_on_one_communicator_while_the_watchdog_polls():
+    """NCCL_COMM_BLOCKING=0 as well: before, it made the data communicators nonblocking, and their
+    launches settled unlocked beside the watchdog's polls (19-22 overlaps in 3000 exchanges at the
+    watchdog's own period in the review's probe)."""
+    v = run_one("nccl_model_launch.py", {"case": "threads", "exchanges": 200, "poll_every": 0.0005},
+                env={"NCCL_COMM_BLOCKING": "0", "MPFAKE_NCCL_JOIN_US": "50"})
+    assert v["parallel_calls"] == 0 and v["unsafe_aborts"] == 0, v
+
+
+def test_the_communicators_config_covers_only_the_fields_it_sets():
+    """D5: a size past the version's fields hands NCCL bytes nothing set (2.26 reads them as
+    trafficClass); the transport's split config did, with 4 bytes of padding."""
+    v = run_one("nccl_model_launch.py", {"case": "threads", "exchanges": 1})
+    assert v["config_overreach"] == 0, v
+
+
+def test_the_model_counts_a_config_whose_size_covers_bytes_past_its_versions_fields(promises):
+    assert promises["config_overreach"] == {"padded": 1, "exact": 0}, promises["config_overreach"]
+
+
+def test_the_model_counts_a_call_made_in_parallel_with_another_on_one_communicator(promises):
+    """The must-report case: a poll of a child while another thread's launch is inside it."""
+    for case in ("split_shared", "split_child_only", "split_unshared"):
+        assert promises[case]["parallel_calls"] == 1, (case, promises[case])
 
 
 def test_a_launch_stuck_connecting_to_a_silent_peer_ends_at_the_timeout_without_an_unsafe_abort():
     ranks = run_ranks("nccl_model_launch.py", 4, {"case": "connect", "peer_delay": None, "timeout": 2.0, "idle": 4.0})
     send = ranks[0]["send"]
     assert send["type"] == "P2PTimeoutError" and 2.0 <= send["since_start"] < 4.0, send
-    assert "launch has not returned" in send["msg"], send["msg"]
+    assert "launch has not completed" in send["msg"], send["msg"]
     assert [r["unsafe_aborts"] for r in ranks] == [0] * 4, ranks
 
 

@@ -49,7 +49,6 @@ static const symbol nccl_symbols[] = {
     NCCL_SYM(GetUniqueId, "ncclGetUniqueId", 0),
     NCCL_SYM(CommInitRankConfig, "ncclCommInitRankConfig", 0),
     NCCL_SYM(CommGetAsyncError, "ncclCommGetAsyncError", 0),
-    NCCL_SYM(CommSplit, "ncclCommSplit", 1),
     NCCL_SYM(CommAbort, "ncclCommAbort", 0),
     NCCL_SYM(GroupStart, "ncclGroupStart", 0),
     NCCL_SYM(GroupEnd, "ncclGroupEnd", 0),

@@ -22,7 +22,6 @@ typedef struct {
     mp_ncclGetUniqueId_fn GetUniqueId;
     mp_ncclCommInitRankConfig_fn CommInitRankConfig;
     mp_ncclCommGetAsyncError_fn CommGetAsyncError;
-    mp_ncclCommSplit_fn CommSplit;        /* may be NULL (before 2.18) */
     mp_ncclComm_fn CommAbort;
     mp_ncclGroup_fn GroupStart;
     mp_ncclGroup_fn GroupEnd;

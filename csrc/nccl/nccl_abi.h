@@ -50,42 +50,27 @@ typedef enum {
 #define MP_NCCL_VERSION(x, y, z) ((x) * 10000 + (y) * 100 + (z))
 /* The first release with ncclConfig_t and nonblocking communicators. */
 #define MP_NCCL_MIN_VERSION MP_NCCL_VERSION(2, 14, 0)
-/* The first release with ncclCommSplit and the config's splitShare. */
-#define MP_NCCL_SPLIT_VERSION MP_NCCL_VERSION(2, 18, 0)
 /* The first release with the float8 datatypes. */
 #define MP_NCCL_FLOAT8_VERSION MP_NCCL_VERSION(2, 24, 0)
 #define MP_NCCL_CONFIG_MAGIC 0xcafebeefu
 
-/* The leading fields of ncclConfig_t. NCCL copies `size` bytes over its defaults and ignores
- * fields newer than `version`, so passing only this prefix leaves everything else default. */
+/* The leading fields of ncclConfig_t, through `blocking`. NCCL copies min(size, sizeof) bytes of a
+ * config over its defaults and then resets the fields newer than `version` (src/init.cc
+ * parseCommConfig), but not every release resets every newer field (2.26 reads trafficClass
+ * whatever the version), so `size` is MP_NCCL_CONFIG_PREFIX_SIZE: it covers the fields set and
+ * not the struct's tail padding, which nothing sets. */
 typedef struct {
     size_t size;
     unsigned int magic;
     unsigned int version;
     int blocking;
 } mp_ncclConfigPrefix;
-
-/* The longer prefix a split passes, through splitShare (2.18+); the fields between keep NCCL's
- * "undefined" values, so that NCCL fills in its defaults (src/init.cc: parseCommConfig). */
-#define MP_NCCL_CONFIG_UNDEF_INT (-2147483647 - 1) /* NCCL_CONFIG_UNDEF_INT: INT_MIN */
-typedef struct {
-    size_t size;
-    unsigned int magic;
-    unsigned int version;
-    int blocking;
-    int cgaClusterSize;
-    int minCTAs;
-    int maxCTAs;
-    const char *netName;
-    int splitShare;
-} mp_ncclConfigSplit;
+#define MP_NCCL_CONFIG_PREFIX_SIZE (offsetof(mp_ncclConfigPrefix, blocking) + sizeof(int))
 
 typedef mp_ncclResult_t (*mp_ncclGetVersion_fn)(int *version);
 typedef mp_ncclResult_t (*mp_ncclGetUniqueId_fn)(mp_ncclUniqueId *id);
 typedef mp_ncclResult_t (*mp_ncclCommInitRankConfig_fn)(mp_ncclComm_t *comm, int nranks, mp_ncclUniqueId id,
                                                         int rank, void *config);
-typedef mp_ncclResult_t (*mp_ncclCommSplit_fn)(mp_ncclComm_t comm, int color, int key, mp_ncclComm_t *newcomm,
-                                               void *config);
 typedef mp_ncclResult_t (*mp_ncclCommGetAsyncError_fn)(mp_ncclComm_t comm, mp_ncclResult_t *error);
 typedef mp_ncclResult_t (*mp_ncclComm_fn)(mp_ncclComm_t comm); /* ncclCommAbort, ncclCommDestroy */
 typedef mp_ncclResult_t (*mp_ncclGroup_fn)(void);                /* ncclGroupStart, ncclGroupEnd */

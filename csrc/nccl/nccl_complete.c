@@ -56,14 +56,21 @@ static void pause_polling(unsigned polls)
  * the core, and only a launch slower than this sleeps. */
 #define SETTLE_YIELD_SECONDS 0.0005
 
-/* Waits for ncclGroupEnd / init / split on a nonblocking communicator to leave ncclInProgress.
- * With `watch_abort` (a posting thread's launch, the lock not held), an abort meanwhile ends the
- * wait with MP_NCCL_ABORTED. */
-mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int watch_abort)
+/* Waits for lane `l`'s communicator (its init, or a group's launch) to leave ncclInProgress.
+ * Every poll is a call into NCCL, so each is made under the lock, which is released between polls:
+ * NCCL completes a finished group job inside ncclCommGetAsyncError with no lock of its own
+ * (src/init.cc ncclCommGetAsyncError -> src/group.cc ncclGroupJobComplete), so two threads polling
+ * one communicator at once could free it twice. An abort meanwhile (which takes the communicator)
+ * ends the wait with MP_NCCL_ABORTED; `deadline` with MP_NCCL_TIMEOUT; the interrupt of a creation
+ * with MP_NCCL_INTERRUPTED. Lock held, and held again on return. */
+mp_ncclResult_t nccl_settle_locked(nccl_t *n, int l, double deadline)
 {
     mp_ncclResult_t state = MP_NCCL_IN_PROGRESS;
     double yield_until = mp_now() + SETTLE_YIELD_SECONDS;
     for (unsigned polls = 0;; polls++) {
+        mp_ncclComm_t comm = n->lanes[l].comm;
+        if (n->cause != MP_OK || !comm)
+            return MP_NCCL_ABORTED;
         if (n->nccl->CommGetAsyncError(comm, &state) != MP_NCCL_SUCCESS)
             return MP_NCCL_INTERNAL_ERROR;
         if (state != MP_NCCL_IN_PROGRESS)
@@ -72,18 +79,21 @@ mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int 
             return MP_NCCL_TIMEOUT;
         if (mp_interrupted(n->interrupt))
             return MP_NCCL_INTERRUPTED;
+        pthread_mutex_unlock(&n->lock);
         if (mp_now() < yield_until)
             sched_yield(); /* the launch thread may need this core */
         else
             pause_polling(polls);
-        if (watch_abort) {
-            pthread_mutex_lock(&n->lock);
-            mp_result cause = n->cause;
-            pthread_mutex_unlock(&n->lock);
-            if (cause != MP_OK)
-                return MP_NCCL_ABORTED;
-        }
+        pthread_mutex_lock(&n->lock);
     }
+}
+
+/* Why a group's launch that began at n->launch_began is overdue: for the watchdog and for the
+ * posting thread's own deadline, which report it alike. */
+void nccl_launch_overdue(const nccl_t *n, double now, double timeout, char *detail, size_t len)
+{
+    snprintf(detail, len, "lane %d: a group's launch has not completed after %.1f s (timeout %.1f s): NCCL is "
+             "connecting to a peer that has not posted its side", n->launch_lane, now - n->launch_began, timeout);
 }
 
 /* Finishes the ops of every fence whose event has fired. Lock held. */
@@ -116,16 +126,14 @@ void nccl_progress_locked(nccl_t *n)
 static mp_result async_error_locked(nccl_t *n, char *detail, size_t len)
 {
     for (int l = 0; l < n->base.nlanes; l++) {
-        mp_ncclComm_t comms[] = {n->lanes[l].comm, n->lanes[l].root}; /* the root's: shared connections */
-        for (size_t k = 0; k < sizeof comms / sizeof *comms; k++) {
-            mp_ncclResult_t state = MP_NCCL_SUCCESS;
-            if (!comms[k] || n->nccl->CommGetAsyncError(comms[k], &state) != MP_NCCL_SUCCESS)
-                continue;
-            if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
-                snprintf(detail, len, "NCCL reported an asynchronous error on lane %d: %s", l,
-                         nccl_error(n, comms[k], state).text);
-                return nccl_cause_of(state);
-            }
+        mp_ncclComm_t comm = n->lanes[l].comm;
+        mp_ncclResult_t state = MP_NCCL_SUCCESS;
+        if (!comm || n->nccl->CommGetAsyncError(comm, &state) != MP_NCCL_SUCCESS)
+            continue;
+        if (state != MP_NCCL_SUCCESS && state != MP_NCCL_IN_PROGRESS) {
+            snprintf(detail, len, "NCCL reported an asynchronous error on lane %d: %s", l,
+                     nccl_error(n, comm, state).text);
+            return nccl_cause_of(state);
         }
     }
     return MP_OK;
@@ -212,9 +220,7 @@ mp_result nccl_watch(mp_transport *t, double timeout, char *detail, size_t len)
         cause = async_error_locked(n, detail, len);
         double now = mp_now();
         if (cause == MP_OK && n->launching && now - n->launch_began > timeout) {
-            snprintf(detail, len, "lane %d: a group's launch has not returned after %.1f s (timeout %.1f s): NCCL is "
-                     "connecting to a peer that has not posted its side", n->launch_lane, now - n->launch_began,
-                     timeout);
+            nccl_launch_overdue(n, now, timeout, detail, len);
             cause = MP_ERR_TIMEOUT;
         }
         for (int l = 0; cause == MP_OK && l < t->nlanes; l++) {

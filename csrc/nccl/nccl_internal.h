@@ -23,16 +23,15 @@ typedef struct fence {
     struct fence *next;
 } fence;
 
-/* Each lane has a nonblocking communicator made at creation, whose init and warm-up any abort,
- * timeout or Ctrl-C can end, and where NCCL has ncclCommSplit, a blocking child of it for the data:
- * NCCL launches a blocking communicator's group on the caller's thread, where a nonblocking one
- * starts a thread per group end (NCCL 2.30: src/group.cc ncclGroupEndInternal). The child shares
- * the parent's abort flag and connections (splitShare; src/init.cc ncclCommInitChildComm,
- * src/channel.cc initChannel), so the parent's abort ends a launch of the child stuck connecting
- * to a peer, and the parent's warm-up connects the child. */
+/* Each lane is one nonblocking NCCL communicator, made, warmed up and used for the data: NCCL's
+ * documented way to abort is a nonblocking communicator with no other thread inside a call on it
+ * (user guide, usage/communicators.rst "Fault Tolerance"; usage/threadsafety.rst). So every call
+ * into it is made under the transport's `lock`, each one returns at once (a nonblocking group end
+ * hands the launch to a thread of NCCL's own, src/group.cc ncclGroupEndInternal), and whatever
+ * waits (a launch connecting to a peer, a full proxy pool) waits on NCCL's thread, which the
+ * abort flag ends or the reaper leaves behind: never on a thread of the caller's. */
 typedef struct {
-    mp_ncclComm_t comm;      /* the data's: the child, or the parent itself; NULL once aborted */
-    mp_ncclComm_t root;      /* the parent, when `comm` is its child; else NULL */
+    mp_ncclComm_t comm;      /* NULL once an abort has taken it */
     mp_CUstream stream;
     mp_step *open_head, *open_tail; /* issued since begin(), not yet fenced */
     fence *head, *tail;      /* fenced, oldest first: events on one stream fire in order */
@@ -59,19 +58,15 @@ typedef struct {
     unsigned long long open_capture;
     struct nccl_reaper *reaper; /* runs ncclCommAbort once the transport is aborted (nccl_reaper.c) */
     /* `issue` orders the posting calls of threads sharing the communicator; `lock` guards the
-     * state and every call on a lane communicator, and is dropped while a launch settles, so
-     * that an abort from the relay or the watchdog reaches a group stuck in ncclInProgress. */
+     * state and every NCCL call on the lane communicators, and is dropped between the polls of a
+     * launch settling, so that an abort, the watchdog and progress never wait behind it. */
     pthread_mutex_t issue;
     pthread_mutex_t lock;
-    /* A group being launched by the posting thread, which holds `issue` but not `lock` meanwhile
-     * (a blocking launch may wait for a peer to connect): the watchdog times it, and the reaper
-     * aborts the lane communicators only once it has returned, since NCCL's abort needs no other
-     * thread inside a call on the communicator (user guide, "Fault Tolerance"). Under `lock`. */
+    /* A group the posting thread is settling (it holds `issue`): the watchdog times it like device
+     * work. Under `lock`. */
     int launching;
     int launch_lane;
     double launch_began;
-    pthread_cond_t launched;
-    mp_step *retired;        /* steps an abort failed while the launch read them: freed when it returns */
     mp_result cause;
     int cause_rank;
     char cause_detail[MP_DETAIL_LEN];
@@ -124,7 +119,8 @@ mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream);
 void nccl_finish_steps(mp_step *s, mp_result r, const char *detail); /* finishes their ops, frees them */
 void nccl_finish_ops(mp_step *s, mp_result r, const char *detail);
 void nccl_free_steps(mp_step *s);
-mp_ncclResult_t nccl_settle(nccl_t *n, mp_ncclComm_t comm, double deadline, int watch_abort);
+mp_ncclResult_t nccl_settle_locked(nccl_t *n, int lane, double deadline);
+void nccl_launch_overdue(const nccl_t *n, double now, double timeout, char *detail, size_t len);
 void nccl_progress_locked(nccl_t *n);
 void nccl_check_async_locked(nccl_t *n);
 mp_result nccl_await_event_locked(nccl_t *n, mp_CUevent event, double deadline, char *detail, size_t len);

@@ -7,6 +7,7 @@
 
 #include "core/clock.h"
 #include "nccl_internal.h"
+#include "nccl_param.h"
 
 /* ---- errors and the device's context ------------------------------------------------------ */
 
@@ -97,13 +98,7 @@ static void fail_all(nccl_t *n, mp_result r, const char *detail)
 {
     for (int l = 0; l < n->base.nlanes; l++) {
         lane_t *lane = &n->lanes[l];
-        if (n->launching && lane->open_head) { /* the posting thread reads them until its launch returns */
-            nccl_finish_ops(lane->open_head, r, detail);
-            lane->open_tail->next = n->retired;
-            n->retired = lane->open_head;
-        } else {
-            nccl_finish_steps(lane->open_head, r, detail);
-        }
+        nccl_finish_steps(lane->open_head, r, detail);
         lane->open_head = lane->open_tail = NULL;
         while (lane->head) {
             fence *f = lane->head;
@@ -210,9 +205,6 @@ void nccl_release(nccl_t *n)
         mp_CUcontext saved;
         nccl_enter(n, &saved); /* best effort: the process may be ending */
         for (int l = 0; l < n->base.nlanes; l++)
-            if (n->lanes[l].comm) /* a split's child delivered after its parent's abort */
-                n->nccl->CommAbort(n->lanes[l].comm);
-        for (int l = 0; l < n->base.nlanes; l++)
             if (n->lanes[l].stream)
                 n->cu->StreamDestroy(n->lanes[l].stream);
         fence *lists[] = {n->spare, n->graph_fences};
@@ -235,10 +227,8 @@ void nccl_release(nccl_t *n)
             n->cu->MemFree(n->scratch);
         nccl_leave(n, saved);
     }
-    nccl_free_steps(n->retired);
     if (n->ctx_retained)
         n->cu->DevicePrimaryCtxRelease(n->device);
-    pthread_cond_destroy(&n->launched);
     pthread_mutex_destroy(&n->lock);
     pthread_mutex_destroy(&n->issue);
     free(n);
@@ -264,15 +254,15 @@ static const mp_transport_ops nccl_ops = {
 /* ---- creation ------------------------------------------------------------------------------- */
 
 /* One tiny group per lane to every ring neighbour, so that connection setup happens now, in the
- * same order on every rank, and not inside the first exchange: on the nonblocking parent, whose
- * connections its child shares, so that a neighbour that never comes ends at the deadline. */
+ * same order on every rank, and not inside the first exchange; a neighbour that never comes ends
+ * it at the deadline. Lock held. */
 static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
 {
     int rank = n->base.rank, size = n->base.size;
     int next = (rank + 1) % size, prev = (rank + size - 1) % size;
     for (int l = 0; l < n->base.nlanes; l++) {
         lane_t *lane = &n->lanes[l];
-        mp_ncclComm_t comm = lane->root ? lane->root : lane->comm; /* nonblocking: any wait can end */
+        mp_ncclComm_t comm = lane->comm;
         char *base = (char *)(uintptr_t)n->scratch;
         mp_ncclResult_t r = n->nccl->GroupStart();
         if (r == MP_NCCL_SUCCESS) {
@@ -284,7 +274,7 @@ static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
             }
             r = n->nccl->GroupEnd();
             if (r == MP_NCCL_IN_PROGRESS)
-                r = nccl_settle(n, comm, deadline, 0);
+                r = nccl_settle_locked(n, l, deadline);
         }
         if (r != MP_NCCL_SUCCESS) {
             snprintf(err, errlen, "warming up lane %d failed: %s", l, nccl_error(n, comm, r).text);
@@ -346,69 +336,12 @@ static mp_result open_device(nccl_t *n, const mp_nccl_config *cfg, char *err, si
     return MP_OK;
 }
 
-/* NCCL's parameter `name` as NCCL parses it, or `unset` (NCCL 2.30 src/misc/param.cc ncclLoadParam:
- * strtoll in base 0 with no end pointer, so "1x" reads 1 and "yes" reads 0). It overrides the
- * config (src/init.cc envConfigOverride): NCCL_COMM_BLOCKING=1 would make the parents blocking,
- * NCCL_COMM_SPLIT_SHARE_RESOURCES=0 would keep a child from sharing its parent's abort flag. NCCL
- * reads each once per process, at its first communicator, and keeps it (src/include/param.h
- * NCCL_PARAM); this reads it at each creation, which agrees unless the variable has changed since. */
-static long long nccl_param(const char *name, long long unset)
-{
-    const char *text = getenv(name);
-    if (!text || !*text)
-        return unset;
-    errno = 0;
-    long long value = strtoll(text, NULL, 0);
-    return errno ? unset : value;
-}
-
-/* Makes each lane's data communicator a blocking child of its nonblocking parent (see lane_t). The
- * split runs in the parent's mode, on NCCL's thread, so that the deadline and Ctrl-C still end it
- * (src/group.cc: ncclAsyncLaunch takes the group's mode from the parent). Without ncclCommSplit
- * (before 2.18), or where the child could not share the parent's abort flag, the parent carries the
- * data, and every group end costs NCCL's thread. */
-static mp_result split_data_comms(nccl_t *n, const mp_nccl_config *cfg, double deadline, char *err, size_t errlen)
-{
-    if (!n->nccl->CommSplit || n->nccl->version < MP_NCCL_SPLIT_VERSION || nccl_param("NCCL_COMM_SPLIT_SHARE_RESOURCES", 1) == 0)
-        return MP_OK;
-    mp_ncclConfigSplit config = {
-        .size = sizeof config,
-        .magic = MP_NCCL_CONFIG_MAGIC,
-        .version = MP_NCCL_SPLIT_VERSION,
-        .blocking = 1,
-        .cgaClusterSize = MP_NCCL_CONFIG_UNDEF_INT,
-        .minCTAs = MP_NCCL_CONFIG_UNDEF_INT,
-        .maxCTAs = MP_NCCL_CONFIG_UNDEF_INT,
-        .netName = NULL, /* NCCL_CONFIG_UNDEF_PTR */
-        .splitShare = 1,
-    };
-    for (int l = 0; l < cfg->nlanes; l++) {
-        lane_t *lane = &n->lanes[l];
-        /* NCCL stores the child into lane->comm when the split's job ends (src/init.cc:
-         * ncclCommInitRankFunc), which an abort of the parent waits for; nccl_release aborts a child
-         * that arrives after the abort took the lanes' communicators. */
-        lane->root = lane->comm;
-        lane->comm = NULL;
-        mp_ncclResult_t r = n->nccl->CommSplit(lane->root, 0, cfg->rank, &lane->comm, &config);
-        if (r == MP_NCCL_IN_PROGRESS || r == MP_NCCL_SUCCESS)
-            r = nccl_settle(n, lane->root, deadline, 0);
-        if (r == MP_NCCL_SUCCESS && !lane->comm)
-            r = MP_NCCL_INTERNAL_ERROR;
-        if (r != MP_NCCL_SUCCESS) {
-            snprintf(err, errlen, r == MP_NCCL_TIMEOUT ? "lane %d: not every rank split the NCCL communicator in "
-                                                         "time: %s"
-                                                       : "lane %d: splitting the NCCL communicator failed: %s",
-                     l, nccl_error(n, lane->root, r).text);
-            return nccl_cause_of(r);
-        }
-    }
-    return MP_OK;
-}
-
 static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadline, char *err, size_t errlen)
 {
+    /* `size` covers only the fields set (NCCL copies `size` bytes: src/init.cc parseCommConfig),
+     * so that no byte of padding is read as a later release's field. */
     mp_ncclConfigPrefix config = {
-        .size = sizeof config,
+        .size = MP_NCCL_CONFIG_PREFIX_SIZE,
         .magic = MP_NCCL_CONFIG_MAGIC,
         .version = MP_NCCL_MIN_VERSION,
         .blocking = 0,
@@ -422,7 +355,7 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
         }
     }
     for (int l = 0; l < cfg->nlanes; l++) {
-        mp_ncclResult_t r = nccl_settle(n, n->lanes[l].comm, deadline, 0);
+        mp_ncclResult_t r = nccl_settle_locked(n, l, deadline);
         if (r != MP_NCCL_SUCCESS) {
             snprintf(err, errlen, r == MP_NCCL_TIMEOUT ? "lane %d: not every rank joined the NCCL communicator in "
                                                          "time: %s"
@@ -431,19 +364,31 @@ static mp_result open_comms(nccl_t *n, const mp_nccl_config *cfg, double deadlin
             return nccl_cause_of(r);
         }
     }
-    return split_data_comms(n, cfg, deadline, err, errlen);
+    return MP_OK;
 }
 
 mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const mp_cuda_lib *cuda,
                        mp_transport **out, char *err, size_t errlen)
 {
     /* A blocking communicator's init and group ends block inside NCCL, where no timeout, peer's
-     * failure or Ctrl-C can reach them: refused, rather than silently unabortable. */
-    if (nccl_param("NCCL_COMM_BLOCKING", -1) == 1) {
-        snprintf(err, errlen, "NCCL_COMM_BLOCKING=1 in the environment makes NCCL's communicators blocking (it "
-                 "overrides the nonblocking config this backend asks for), and a blocking call could then not be "
-                 "ended by a timeout, a peer's failure or Ctrl-C: unset it, or set it to 0, before the process makes its first "
-                 "NCCL communicator (NCCL reads it once per process)");
+     * failure or Ctrl-C can reach them: refused, rather than silently unabortable.
+     * NCCL_COMM_BLOCKING overrides the config (src/init.cc envConfigOverride). Read as NCCL will
+     * read it, its conf files included (nccl_param.c): rank 0's NCCL has loaded them into the
+     * environment at ncclGetUniqueId, the other ranks' not yet. NCCL reads it once per process, at
+     * its first communicator, and keeps it (src/include/param.h NCCL_PARAM); this reads it at each
+     * creation, which agrees unless it has changed since. */
+    mp_nccl_param blocking;
+    mp_nccl_param_read(&blocking, "NCCL_COMM_BLOCKING", -1, nccl->version, MP_NCCL_SYSTEM_CONF);
+    if (blocking.value == 1) {
+        int in_file = blocking.from == MP_NCCL_PARAM_FILE;
+        snprintf(err, errlen, "NCCL_COMM_BLOCKING=1 %s%s makes NCCL's communicators blocking (it overrides the "
+                 "nonblocking config this backend asks for), and a blocking call could then not be ended by a "
+                 "timeout, a peer's failure or Ctrl-C: %s, before the process makes its first NCCL communicator "
+                 "(NCCL reads it once per process)",
+                 in_file ? "in NCCL's conf file " : "in the environment", blocking.file,
+                 in_file ? "remove it from that file, or set NCCL_COMM_BLOCKING=0 in the environment, which no conf "
+                           "file overrides"
+                         : "unset it, or set it to 0");
         return MP_ERR_SYSTEM;
     }
     nccl_t *n = calloc(1, sizeof *n);
@@ -463,7 +408,6 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     n->global_rank = cfg->global_rank;
     pthread_mutex_init(&n->issue, NULL);
     pthread_mutex_init(&n->lock, NULL);
-    pthread_cond_init(&n->launched, NULL);
     double deadline = mp_now() + cfg->timeout;
     n->interrupt = cfg->interrupt;
     mp_result res = open_device(n, cfg, err, errlen);
@@ -473,10 +417,13 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
         if (entered != MP_CUDA_SUCCESS) {
             snprintf(err, errlen, "%s: %s", ENTER_FAILED, nccl_cu_error(n, entered));
             res = MP_ERR_SYSTEM;
-        } else
+        } else {
+            pthread_mutex_lock(&n->lock); /* every NCCL call on the lanes is made under it */
             res = open_comms(n, cfg, deadline, err, errlen);
-        if (res == MP_OK)
-            res = warm_up(n, deadline, err, errlen);
+            if (res == MP_OK)
+                res = warm_up(n, deadline, err, errlen);
+            pthread_mutex_unlock(&n->lock);
+        }
         nccl_leave(n, saved);
     }
     n->interrupt = NULL; /* the caller's, valid during this call only */

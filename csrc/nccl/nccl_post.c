@@ -122,28 +122,27 @@ static mp_ncclResult_t issue_step(issuing *i, const void *step)
     return mp_nccl_issue(&real_calls, i, step, i->n->nccl->version);
 }
 
-/* Runs `group` (one NCCL group on lane `l`) with the lock released: a blocking launch waits for
- * any peer it connects to, and an abort, the watchdog and progress must not wait behind it. The
- * issue lock, held, keeps every other poster out; the lane's communicator is not aborted before
- * the launch returns (nccl_reaper.c), nor are the steps it reads freed (fail_all retires them).
- * A nonblocking communicator's launch is settled here.
- * Lock and issue lock held, and held again on return; MP_NCCL_ABORTED if an abort came meanwhile. */
+/* Runs `group` (one NCCL group on lane `l`) and settles it. The NCCL calls run under the lock, as
+ * every call on a lane's communicator does, and none of them waits: the communicator is
+ * nonblocking, so ncclGroupEnd hands the launch to NCCL's own thread and answers ncclInProgress.
+ * The settle then polls with the lock released between polls, watched by the watchdog like device
+ * work, and ends at the timeout itself too. The issue lock, held, keeps every other poster out.
+ * Lock and issue lock held, and held again on return; MP_NCCL_ABORTED if an abort came meanwhile,
+ * MP_NCCL_TIMEOUT with `detail` past the timeout. */
 static mp_ncclResult_t launch_locked(nccl_t *n, int l, mp_ncclResult_t (*group)(issuing *, const void *),
-                                     const void *arg)
+                                     const void *arg, char *detail, size_t len)
 {
     issuing i = {n, n->lanes[l].comm, n->lanes[l].stream};
-    n->launching = 1;
-    n->launch_lane = l;
-    n->launch_began = mp_now();
-    pthread_mutex_unlock(&n->lock);
     mp_ncclResult_t r = group(&i, arg);
-    if (r == MP_NCCL_IN_PROGRESS) /* NCCL's thread launches it */
-        r = nccl_settle(n, i.comm, mp_now() + n->timeout, 1);
-    pthread_mutex_lock(&n->lock);
-    n->launching = 0;
-    nccl_free_steps(n->retired);
-    n->retired = NULL;
-    pthread_cond_broadcast(&n->launched);
+    if (r == MP_NCCL_IN_PROGRESS) { /* NCCL's thread launches it */
+        n->launching = 1;
+        n->launch_lane = l;
+        n->launch_began = mp_now();
+        r = nccl_settle_locked(n, l, n->launch_began + n->timeout);
+        if (r == MP_NCCL_TIMEOUT)
+            nccl_launch_overdue(n, mp_now(), n->timeout, detail, len);
+        n->launching = 0;
+    }
     return n->cause != MP_OK ? MP_NCCL_ABORTED : r;
 }
 
@@ -217,9 +216,11 @@ static mp_result check_step(nccl_t *n, const mp_step *step, char *detail, size_t
         return MP_ERR_SYSTEM;
     }
     descriptors d = {step, dev_out, dev_in};
-    mp_ncclResult_t r = launch_locked(n, step->lane, issue_descriptors, &d);
+    mp_ncclResult_t r = launch_locked(n, step->lane, issue_descriptors, &d, detail, len);
     if (r == MP_NCCL_ABORTED)
         return n->cause;
+    if (r == MP_NCCL_TIMEOUT)
+        return MP_ERR_TIMEOUT;
     if (r != MP_NCCL_SUCCESS) {
         snprintf(detail, len, "debug matching: NCCL failed to issue the descriptors on lane %d: %.180s", step->lane,
                  nccl_error(n, lane->comm, r).text);
@@ -304,7 +305,8 @@ mp_result nccl_post(mp_transport *t, mp_step *step)
         lane->open_tail->next = step;
     else
         lane->open_head = step;
-    lane->open_tail = step; /* owned from here on: an abort (even while the launch settles) frees it */
+    lane->open_tail = step; /* owned from here on: an abort (even while the launch settles) frees it, since
+                             * NCCL has taken what it needs of the ops by the time ncclGroupEnd returns */
     mp_CUcontext saved;
     mp_CUresult entered = nccl_enter(n, &saved);
     if (entered != MP_CUDA_SUCCESS) {
@@ -324,12 +326,13 @@ mp_result nccl_post(mp_transport *t, mp_step *step)
             return MP_OK;
         }
     }
-    mp_ncclResult_t r = launch_locked(n, l, issue_step, step);
+    char detail[MP_DETAIL_LEN];
+    mp_ncclResult_t r = launch_locked(n, l, issue_step, step, detail, sizeof detail);
     nccl_leave(n, saved);
     if (r != MP_NCCL_SUCCESS && r != MP_NCCL_ABORTED) {
-        char detail[256];
-        snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %.200s", l,
-                 nccl_error(n, lane->comm, r).text);
+        if (r != MP_NCCL_TIMEOUT)
+            snprintf(detail, sizeof detail, "NCCL failed to issue a group on lane %d: %.200s", l,
+                     nccl_error(n, lane->comm, r).text);
         nccl_abort_locked(n, nccl_cause_of(r), t->rank, detail);
     }
     pthread_mutex_unlock(&n->lock);

@@ -18,9 +18,8 @@ struct nccl_reaper {
     const mp_nccl_lib *nccl;
     const mp_cuda_lib *cu;
     mp_CUcontext ctx;         /* made current on the reaper's thread; retained by the transport */
-    nccl_t *transport;        /* whose launch the lane communicators' abort waits for */
-    mp_ncclComm_t roots[2], comms[2];
-    int nroots, ncomms;
+    mp_ncclComm_t comms[2];
+    int ncomms;
     pthread_mutex_t lock;
     pthread_cond_t finished;
     int done;                 /* every ncclCommAbort has returned */
@@ -40,30 +39,21 @@ static void reaper_put(struct nccl_reaper *r)
     free(r);
 }
 
-/* The parents first: their abort flag, which their children share, ends a launch stuck connecting
- * to a peer. The lane communicators only once no launch is inside them: NCCL's abort is safe only
- * with no other thread calling into the communicator (user guide, "Fault Tolerance"). `held`: the
- * caller holds the transport's lock (the inline path of nccl_reap_start). */
-static void abort_lanes(const struct nccl_reaper *r, int held)
+/* No other thread can be inside a call on these communicators: the transport made every call under
+ * its lock and took them from its lanes under it, which NCCL's abort needs (user guide,
+ * usage/communicators.rst "Fault Tolerance"). NCCL's own group thread may be: the abort joins it
+ * (src/init.cc ncclCommEnsureReady -> src/group.cc ncclGroupJobAbort). */
+static void abort_lanes(const struct nccl_reaper *r)
 {
     if (r->ctx)
         r->cu->CtxSetCurrent(r->ctx); /* this thread's own: nothing to restore */
-    for (int i = 0; i < r->nroots; i++)
-        r->nccl->CommAbort(r->roots[i]);
-    nccl_t *n = r->transport; /* alive: it is released only once this abort is done, or by the reaper */
-    if (!held)
-        pthread_mutex_lock(&n->lock);
-    while (n->launching)
-        pthread_cond_wait(&n->launched, &n->lock);
-    if (!held)
-        pthread_mutex_unlock(&n->lock);
     for (int i = 0; i < r->ncomms; i++)
         r->nccl->CommAbort(r->comms[i]);
 }
 
-static void abort_comms(struct nccl_reaper *r, int held)
+static void abort_comms(struct nccl_reaper *r)
 {
-    abort_lanes(r, held);
+    abort_lanes(r);
     pthread_mutex_lock(&r->lock);
     r->done = 1;
     nccl_t *owner = r->owner;
@@ -77,7 +67,7 @@ static void *reaper_main(void *arg)
 {
     struct nccl_reaper *r = arg;
     pthread_setname_np(pthread_self(), "mp2p-ncclabort"); /* what a stack dump or `top -H` shows */
-    abort_comms(r, 0);
+    abort_comms(r);
     reaper_put(r);
     return NULL;
 }
@@ -86,17 +76,15 @@ static void *reaper_main(void *arg)
  * abort. Lock held; returns at once. Without memory or a thread, it aborts here, unbounded. */
 void nccl_reap_start(nccl_t *n)
 {
-    struct nccl_reaper local = {.nccl = n->nccl, .cu = n->cu, .ctx = n->ctx, .transport = n};
+    struct nccl_reaper local = {.nccl = n->nccl, .cu = n->cu, .ctx = n->ctx};
     for (int l = 0; l < n->base.nlanes; l++) {
-        if (n->lanes[l].root)
-            local.roots[local.nroots++] = n->lanes[l].root;
         if (n->lanes[l].comm)
             local.comms[local.ncomms++] = n->lanes[l].comm;
-        n->lanes[l].root = n->lanes[l].comm = NULL;
+        n->lanes[l].comm = NULL;
     }
     struct nccl_reaper *r = calloc(1, sizeof *r);
     if (!r) {
-        abort_lanes(&local, 1);
+        abort_lanes(&local);
         return;
     }
     *r = local;
@@ -115,7 +103,7 @@ void nccl_reap_start(nccl_t *n)
     int started = pthread_create(&thread, &detached, reaper_main, r) == 0;
     pthread_attr_destroy(&detached);
     if (!started) {
-        abort_comms(r, 1);
+        abort_comms(r);
         r->refs = 1;
     }
 }

@@ -50,22 +50,8 @@ FIELD(version);
 FIELD(blocking);
 static_assert(sizeof(mp_ncclConfigPrefix) <= sizeof(ncclConfig_t), "the prefix is longer than ncclConfig_t");
 
-/* The split's longer prefix, through splitShare; and NCCL's "undefined" value its fields keep. */
-#define SPLIT_FIELD(f)                                                                           \
-    SAME(offsetof(mp_ncclConfigSplit, f), offsetof(ncclConfig_t, f));                            \
-    SAME(sizeof(((mp_ncclConfigSplit *)0)->f), sizeof(((ncclConfig_t *)0)->f))
-SPLIT_FIELD(size);
-SPLIT_FIELD(magic);
-SPLIT_FIELD(version);
-SPLIT_FIELD(blocking);
-SPLIT_FIELD(cgaClusterSize);
-SPLIT_FIELD(minCTAs);
-SPLIT_FIELD(maxCTAs);
-SPLIT_FIELD(netName);
-SPLIT_FIELD(splitShare);
-static_assert(sizeof(mp_ncclConfigSplit) <= sizeof(ncclConfig_t), "the split prefix is longer than ncclConfig_t");
-SAME(MP_NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT);
-SAME(MP_NCCL_SPLIT_VERSION, NCCL_VERSION(2, 18, 0));
+/* The size the transport passes covers exactly the fields it sets, up to `blocking`. */
+SAME(MP_NCCL_CONFIG_PREFIX_SIZE, offsetof(ncclConfig_t, blocking) + sizeof(int));
 
 /* Prototypes: each typedef must accept the real function with only pointer-type renaming. A
  * wrong arity or a wrong scalar type fails to compile under -Werror. */
@@ -87,10 +73,6 @@ static mp_ncclResult_t async_shape(mp_ncclComm_t c, mp_ncclResult_t *e)
 {
     return (mp_ncclResult_t)ncclCommGetAsyncError((ncclComm_t)c, (ncclResult_t *)e);
 }
-static mp_ncclResult_t split_shape(mp_ncclComm_t c, int color, int key, mp_ncclComm_t *out, void *cfg)
-{
-    return (mp_ncclResult_t)ncclCommSplit((ncclComm_t)c, color, key, (ncclComm_t *)out, (ncclConfig_t *)cfg);
-}
 static mp_ncclResult_t abort_shape(mp_ncclComm_t c) { return (mp_ncclResult_t)ncclCommAbort((ncclComm_t)c); }
 static mp_ncclResult_t uid_shape(mp_ncclUniqueId *id) { return (mp_ncclResult_t)ncclGetUniqueId((ncclUniqueId *)id); }
 static const char *str_shape(mp_ncclResult_t r) { return ncclGetErrorString((ncclResult_t)r); }
@@ -103,7 +85,6 @@ int main(void)
     mp_ncclCommInitRankConfig_fn i = init_shape;
     mp_ncclCommGetAsyncError_fn a = async_shape;
     mp_ncclComm_fn ab = abort_shape;
-    mp_ncclCommSplit_fn sp = split_shape;
     mp_ncclGetUniqueId_fn u = uid_shape;
     mp_ncclGetErrorString_fn es = str_shape;
     mp_ncclGetLastError_fn le = last_shape;
@@ -113,6 +94,6 @@ int main(void)
     ncclResult_t (*real_version)(int *) = ncclGetVersion;
     (void)gs, (void)ge, (void)v, (void)real_group, (void)real_version;
     printf("nccl_abi.h matches nccl.h %d.%d.%d (%zu-byte config prefix of %zu)\n", NCCL_MAJOR, NCCL_MINOR,
-           NCCL_PATCH, sizeof(mp_ncclConfigPrefix), sizeof(ncclConfig_t));
-    return !(s && r && i && a && ab && sp && u && es && le);
+           NCCL_PATCH, MP_NCCL_CONFIG_PREFIX_SIZE, sizeof(ncclConfig_t));
+    return !(s && r && i && a && ab && u && es && le);
 }

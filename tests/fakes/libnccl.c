@@ -157,7 +157,7 @@ void log_line(const char *what, int ms)
     close(fd);
 }
 
-static long env_long(const char *name, long fallback)
+long env_long(const char *name, long fallback)
 {
     const char *v = getenv(name);
     return v && v[0] ? atol(v) : fallback;
@@ -191,8 +191,11 @@ API ncclResult_t ncclGetVersion(int *version)
     return ncclSuccess;
 }
 
+static void init_env(void); /* with nccl_param, below */
+
 API ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
 {
+    init_env(); /* src/init.cc ncclGetUniqueId: ncclInitEnv first */
     if (!id)
         return ncclInvalidArgument;
     memset(id, 0, sizeof *id);
@@ -226,11 +229,25 @@ API const char *ncclGetLastError(comm_t *comm)
     return last_error;
 }
 
-/* Marks a call on `c` for ncclCommAbort's check of its condition. */
+/* For tests: calls made while another thread was inside a call on the same communicator, or on
+ * one sharing its resources. NCCL's user guide forbids both (usage/threadsafety.rst), and NCCL
+ * does not guard them: ncclCommGetAsyncError completes a finished group job with no lock
+ * (src/init.cc: ncclCommGetAsyncError -> src/group.cc: ncclGroupJobComplete), so two pollers can
+ * free the job twice. The model runs them safely, and counts and logs each instead. */
+static _Atomic long parallel_calls;
+API long mpfake_nccl_parallel_calls(void) { return atomic_load(&parallel_calls); }
+
+/* Marks a call on `c` (entering: by 1, leaving: by -1), for the parallel-call count above and
+ * ncclCommAbort's check of its condition. */
 void enter_call(comm_t *c, int by)
 {
-    if (c)
-        atomic_fetch_add(&c->in_call, by);
+    if (!c)
+        return;
+    if (atomic_fetch_add(&c->conns->in_call, by) > 0 && by > 0) {
+        atomic_fetch_add(&parallel_calls, 1);
+        log_warning("a call on a communicator (rank %d) while another thread is inside a call on it or on one "
+                    "sharing its resources", c->rank);
+    }
 }
 
 /* A usable communicator, or the error its use is. */
@@ -325,13 +342,72 @@ static void *init_main(void *arg)
 }
 
 /* An NCCL parameter, read once per process and kept, as NCCL_PARAM does (src/include/param.h; NCCL
- * 2.30 src/misc/param.cc ncclLoadParam): the first read, under a lock, parses with strtoll in base
- * 0 and no end pointer (trailing text ignored, text with no number 0); unset, empty or out of range
+ * 2.30 src/misc/param.cc ncclLoadParam): the first read, under a lock, takes the environment, into
+ * which init_env has loaded NCCL's conf files, and parses with strtoll in base 0 and no end pointer (trailing text ignored, text with no number 0); unset, empty or out of range
  * is CONFIG_UNDEF_INT, NCCL's default for both parameters below (src/init.cc). */
 #define CONFIG_UNDEF_INT (-2147483647 - 1)
 #define PARAM_UNREAD (-0x7fffffffffffffffLL - 1)
+
+/* One conf file's lines into the environment, as src/misc/param.cc setEnvFile reads them: fgets
+ * into 4096 bytes (a longer line reads as several), a trailing '\n' then '\r' removed, '#' lines
+ * and lines without '=' skipped, the name everything before the first '=' (untrimmed, cut to 1023
+ * bytes), the value everything after it (cut to 1023 bytes), set with setenv(..., 0)
+ * (src/os/linux.cc ncclOsSetEnv): nothing already in the environment is replaced. */
+static void load_conf_file(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    char line[4096], name[1024], value[1024];
+    while (fgets(line, (int)sizeof line, f)) {
+        size_t len = strlen(line);
+        if (len > 0 && line[len - 1] == '\n')
+            line[--len] = '\0';
+        if (len > 0 && line[len - 1] == '\r')
+            line[--len] = '\0';
+        const char *eq = line[0] == '#' ? NULL : strchr(line, '=');
+        if (!eq)
+            continue;
+        size_t n = (size_t)(eq - line) < sizeof name - 1 ? (size_t)(eq - line) : sizeof name - 1;
+        memcpy(name, line, n);
+        name[n] = '\0';
+        snprintf(value, sizeof value, "%s", eq + 1);
+        setenv(name, value, 0); /* an empty name fails, as NCCL's does */
+    }
+    fclose(f);
+}
+
+/* NCCL's conf files, loaded into the environment once per process (src/misc/param.cc initEnvFunc,
+ * under call_once in initEnv): the file NCCL_CONF_FILE names when set and not empty, else
+ * $HOME/.nccl.conf (userHomeDir), then /etc/nccl.conf; paths cut to 1024 bytes. NCCL does it at
+ * its first ncclInitEnv (src/init.cc; src/plugin/env.cc ncclEnvPluginInit calls initEnv), which
+ * ncclGetUniqueId and the ncclCommInitRank* calls run first and every parameter read runs
+ * (src/misc/param.cc ncclGetEnv); ncclGetVersion does not. Env plugins are not modelled: the
+ * model's parameters come from the environment only, as with NCCL's internal plugin
+ * (src/plugin/env/default_env.cc). */
+static void load_conf_files(void)
+{
+    char path[1024];
+    const char *user = getenv("NCCL_CONF_FILE"), *home = getenv("HOME");
+    if (user && user[0]) {
+        snprintf(path, sizeof path, "%s", user);
+        load_conf_file(path);
+    } else if (home) {
+        snprintf(path, sizeof path, "%s/.nccl.conf", home);
+        load_conf_file(path);
+    }
+    load_conf_file("/etc/nccl.conf");
+}
+
+static void init_env(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, load_conf_files);
+}
+
 static long long nccl_param(const char *name, long long *cache)
 {
+    init_env(); /* src/misc/param.cc ncclGetEnv */
     pthread_mutex_lock(&lib_lock);
     if (*cache == PARAM_UNREAD) {
         const char *text = getenv(name);
@@ -359,6 +435,22 @@ typedef struct {
     int splitShare;
 } config_t;
 
+/* For tests: configs whose `size` covers bytes past the fields their `version` defines. NCCL
+ * copies `size` bytes (src/init.cc: parseCommConfig) and v2.26 reads trafficClass, at offset 44,
+ * whatever the version: bytes nothing set become a later release's field. */
+static _Atomic long config_overreach;
+API long mpfake_nccl_config_overreach(void) { return atomic_load(&config_overreach); }
+
+/* The end of the fields a config of `version` defines (nccl.h of each release: blocking in 2.14,
+ * cgaClusterSize..netName in 2.17, splitShare in 2.18, trafficClass in 2.25). */
+static size_t fields_end(unsigned version)
+{
+    return version < 21700 ? offsetof(config_t, cgaClusterSize)
+         : version < 21800 ? offsetof(config_t, splitShare)
+         : version < 22500 ? offsetof(config_t, splitShare) + sizeof(int)
+                           : (size_t)-1;
+}
+
 /* Reads `config` over the defaults in *blocking and *share; 0, or -1 for a config NCCL refuses. */
 static int read_config(const void *config, const char *call, int *blocking, int *share)
 {
@@ -367,6 +459,10 @@ static int read_config(const void *config, const char *call, int *blocking, int 
         if (c->magic != CONFIG_MAGIC || c->size < offsetof(config_t, cgaClusterSize)) {
             log_warning("%s: config was not made by NCCL_CONFIG_INITIALIZER", call);
             return -1;
+        }
+        if (c->size > fields_end(c->version)) {
+            atomic_fetch_add(&config_overreach, 1);
+            log_warning("%s: config size %zu covers bytes past the fields of version %u", call, c->size, c->version);
         }
         if (c->blocking != CONFIG_UNDEF_INT)
             *blocking = c->blocking != 0;
@@ -439,6 +535,7 @@ API ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId i
     comm_t *c = new_comm(rank, nranks, blocking, ctx, id.internal + sizeof ID_MAGIC);
     if (!c)
         return ncclSystemError;
+    c->split_share = share;
     *out = c;
     if (blocking) {
         ncclResult_t r = join(c);
@@ -460,8 +557,11 @@ API ncclResult_t ncclCommInitRankConfig(comm_t **out, int nranks, ncclUniqueId i
  * config): for a nonblocking parent on a thread, the parent reading ncclInProgress meanwhile and
  * ncclCommSplit answering ncclInProgress; the child comes out of the job (ncclCommInitRankFunc's
  * exit stores it into *newcomm), with the blocking mode of its own config (NULL: the parent's,
- * copyCommConfig). With splitShare the child shares the parent's abort flag and connections;
- * without, the parent's abort reaches the child only while its init runs (childAbortFlag). The
+ * copyCommConfig). When the PARENT was made with splitShare (its own config at init, or
+ * NCCL_COMM_SPLIT_SHARE_RESOURCES; the split's config sets only the child's, for grandchildren:
+ * src/init.cc ncclCommInitChildComm reads comm->config.splitShare of the parent) the child shares
+ * its abort flag and connections; else the parent's abort reaches the child only while its init
+ * runs (childAbortFlag). The
  * model splits into one child of all the parent's ranks, in the parent's order (color equal on
  * every rank, key = rank), which is what a duplicate is; NCCL_SPLIT_NOCOLOR makes none. */
 typedef struct {
@@ -498,8 +598,10 @@ API ncclResult_t ncclCommSplit(comm_t *comm, int color, int key, comm_t **newcom
         log_warning("ncclCommSplit: the model splits only with key = rank (a duplicate of the communicator)");
         return ncclInvalidArgument;
     }
-    int blocking = comm->blocking, share = 0;
-    if (read_config(config, "ncclCommSplit", &blocking, &share) < 0)
+    /* The child's config gives its mode and ITS children's sharing; whether it shares this
+     * parent's resources is the parent's own splitShare (src/init.cc: ncclCommInitChildComm). */
+    int blocking = comm->blocking, child_share = comm->split_share, share = comm->split_share;
+    if (read_config(config, "ncclCommSplit", &blocking, &child_share) < 0)
         return ncclInvalidArgument;
     char name[sizeof comm->name];
     snprintf(name, sizeof name, "%.100s-split%d", comm->name, ++comm->children);
@@ -510,6 +612,7 @@ API ncclResult_t ncclCommSplit(comm_t *comm, int color, int key, comm_t **newcom
         free(j);
         return ncclSystemError;
     }
+    c->split_share = child_share;
     if (share) {
         c->abort_flag = comm->abort_flag;
         c->conns = comm->conns;
@@ -593,7 +696,7 @@ API ncclResult_t ncclCommAbort(comm_t *comm)
     }
     /* The user guide's condition for a safe abort ("Fault Tolerance": no thread may be calling any
      * NCCL operation on the communicator meanwhile): broken here, it is counted and logged. */
-    if (atomic_load(&comm->in_call) > 0) {
+    if (atomic_load(&comm->conns->in_call) > 0) {
         atomic_fetch_add(&unsafe_aborts, 1);
         log_warning("ncclCommAbort while another thread is inside a call on the communicator (rank %d)", comm->rank);
     }

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nccl_model.h"
 
@@ -239,6 +240,11 @@ void complete_job(comm_t *c)
     pthread_mutex_unlock(&lib_lock);
     if (!j)
         return;
+    /* MPFAKE_NCCL_JOIN_US stands for what joining NCCL's group thread costs inside the poll
+     * (52-102 us measured on a 2-core machine), the window in which a second poller races it. */
+    long join_us = env_long("MPFAKE_NCCL_JOIN_US", 0);
+    if (join_us > 0)
+        usleep((useconds_t)join_us);
     if (!atomic_exchange(&j->joined, 1))
         pthread_join(j->thread, NULL);
     if (atomic_fetch_sub(&j->refs, 1) == 1) {

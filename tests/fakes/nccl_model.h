@@ -94,6 +94,10 @@ struct group_job;
 typedef struct ncclComm {
     int alive;                 /* 0 once aborted: every later call fails */
     int rank, nranks, blocking;
+    /* Its own config's splitShare (NCCL_COMM_SPLIT_SHARE_RESOURCES overriding it): whether ITS
+     * children share its resources. NCCL reads it from the parent, never from the child's config
+     * (src/init.cc: ncclCommInitChildComm, comm->shareResources = ... comm->config.splitShare). */
+    int split_share;
     CUcontext ctx;
     char name[128];
     segment *seg;
@@ -112,7 +116,10 @@ typedef struct ncclComm {
     struct ncclComm *conns;
     uint64_t connected;        /* bit per peer whose connection exists (conns' own, under lib_lock) */
     int children;              /* splits made from it, which name the children */
-    _Atomic int in_call;       /* threads inside a call on it now */
+    /* Threads inside a call on it, or on a communicator sharing its resources, now: kept by
+     * `conns`, since NCCL forbids calls on one communicator in parallel, and on a parent and a
+     * child that share resources in parallel (user guide, usage/threadsafety.rst). */
+    _Atomic int in_call;
     /* The fault options count the ops of a communicator and of the children sharing its resources
      * together (kept by `conns`), so that a count means the same with or without a split. */
     _Atomic int inject_claimed; /* the op that raises the injected error has been chosen */
@@ -194,6 +201,7 @@ void log_line(const char *what, int ms);
 size_t type_size(int type);
 const char *type_name(int type);
 void enter_call(comm_t *c, int by);
+long env_long(const char *name, long fallback); /* an MPFAKE_ option, or `fallback` */
 ncclResult_t usable(comm_t *c, const char *call);
 
 /* nccl_kernels.c: a group's kernels on the fake driver's streams */

@@ -1,9 +1,11 @@
 """The NCCL data path's launches on the model: how many threads NCCL starts for the exchanges
-(case "threads"), and a launch that must connect to a peer outside the warm-up's ring (case
+(case "threads"; with params["poll_every"], a thread polls comm.watchdog_check() meanwhile, as
+the watchdog does, and the model counts NCCL calls made in parallel on one communicator), and a launch that must connect to a peer outside the warm-up's ring (case
 "connect": rank 0 sends to rank 2 of 4, which posts its receive after params["peer_delay"]
 seconds, or never when it is None)."""
 import ctypes
 import os
+import threading
 import time
 
 import harness
@@ -19,15 +21,24 @@ def body(params):
     nccl = ctypes.CDLL(os.environ["MEGATRON_P2P_NCCL_LIBRARY"])  # the copy the package loaded
     nccl.mpfake_nccl_group_threads.restype = ctypes.c_long
     nccl.mpfake_nccl_unsafe_aborts.restype = ctypes.c_long
+    nccl.mpfake_nccl_parallel_calls.restype = ctypes.c_long
     out = {}
     comm = mp.init_communicator(backend="nccl", timeout=params.get("timeout", 20.0))
     if params["case"] == "threads":
         t, got = torch.ones(256), torch.zeros(256)
         before = nccl.mpfake_nccl_group_threads()
+        stop = threading.Event()
+        poller = threading.Thread(target=lambda: [comm.watchdog_check() for _ in iter(
+            lambda: stop.wait(params["poll_every"]), True)]) if params.get("poll_every") else None
+        if poller:
+            poller.start()
         for _ in range(params["exchanges"]):
             for r in comm.exchange(send_next=on(t), recv_prev=on(got), send_prev=on(t), recv_next=on(got),
                                    mode="parity").values():
                 r.synchronize()
+        stop.set()
+        if poller:
+            poller.join()
         out["group_threads"] = nccl.mpfake_nccl_group_threads() - before
     elif comm.rank == 0:
         sent = torch.arange(64, dtype=torch.float32)
@@ -43,6 +54,9 @@ def body(params):
         time.sleep(params.get("idle", 0.0))
     out["close"] = harness.caught(comm.close)
     out["unsafe_aborts"] = nccl.mpfake_nccl_unsafe_aborts()
+    out["parallel_calls"] = nccl.mpfake_nccl_parallel_calls()
+    nccl.mpfake_nccl_config_overreach.restype = ctypes.c_long
+    out["config_overreach"] = nccl.mpfake_nccl_config_overreach()
     return out
 
 

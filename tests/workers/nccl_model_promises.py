@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
 
 fakes = sys.argv[1]
 os.environ["MPFAKE_CUDA_DEVICES"] = "2"  # two devices, each with its own launch order (read by cuInit)
@@ -52,6 +53,9 @@ out["order"] = order
 class Config(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
                 ("blocking", ctypes.c_int)]
+
+
+CONFIG_SIZE = Config.blocking.offset + ctypes.sizeof(ctypes.c_int)  # the fields set, not the padding
 
 
 class UniqueId(ctypes.Structure):  # passed by value
@@ -156,12 +160,25 @@ for name, types in {"cuStreamBeginCapture_v2": [p, ctypes.c_int], "cuStreamEndCa
 nccl.mpfake_nccl_group_threads.restype = ctypes.c_long
 
 
-def new_comm(nranks: int = 1, rank: int = 0, the_uid: UniqueId = None, blocking: bool = True) -> p:
+class SplitConfig(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
+                ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p), ("splitShare", ctypes.c_int)]
+
+
+UNDEF = -2147483648
+
+
+def new_comm(nranks: int = 1, rank: int = 0, the_uid: UniqueId = None, blocking: bool = True,
+             split_share: Optional[int] = None) -> p:
+    """A communicator; with `split_share`, made with a config through splitShare (2.18)."""
     if the_uid is None:
         the_uid = UniqueId()
         assert nccl.ncclGetUniqueId(ctypes.byref(the_uid)) == 0
     c = p()
-    config = Config(ctypes.sizeof(Config), 0xcafebeef, 21400, int(blocking))
+    config = (Config(CONFIG_SIZE, 0xcafebeef, 21400, int(blocking)) if split_share is None else
+              SplitConfig(ctypes.sizeof(SplitConfig), 0xcafebeef, 21800, int(blocking), UNDEF, UNDEF, UNDEF, None,
+                          split_share))
     assert nccl.ncclCommInitRankConfig(ctypes.byref(c), nranks, the_uid, rank, ctypes.byref(config)) in (0, 7)
     return c
 
@@ -407,15 +424,9 @@ def opposite_orders(mode: str) -> dict:
 # of ranks and waits for the peer's side (src/transport.cc ncclTransportP2pSetup), ended only by the
 # abort flag (src/bootstrap.cc checkAbort). The user guide's "Fault Tolerance" allows an abort only
 # with no other thread inside a call on the communicator.
-class SplitConfig(ctypes.Structure):
-    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
-                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
-                ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p), ("splitShare", ctypes.c_int)]
-
-
-UNDEF = -2147483648
 nccl.ncclCommSplit.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p), ctypes.c_void_p]
 nccl.mpfake_nccl_unsafe_aborts.restype = ctypes.c_long
+nccl.mpfake_nccl_parallel_calls.restype = ctypes.c_long
 
 
 def split(parent: p, rank: int, share: int) -> tuple[int, int, p]:
@@ -428,24 +439,25 @@ def split(parent: p, rank: int, share: int) -> tuple[int, int, p]:
     return answer, state, child
 
 
-def split_pair(share: int) -> tuple[list, list, list, list]:
-    """Two ranks (one context each) of a nonblocking parent, each split into a blocking child:
+def split_pair(parent_share: int, child_share: int) -> tuple[list, list, list, list]:
+    """Two ranks (one context each) of a nonblocking parent made with splitShare=`parent_share`,
+    each split into a blocking child whose own config says `child_share`:
     (split answers, parents, children, streams)."""
     the_uid = UniqueId()
     assert nccl.ncclGetUniqueId(ctypes.byref(the_uid)) == 0
     contexts, streams, parents = [ctx, ctx1], [], []
     for r in range(2):
         assert cuda.cuCtxSetCurrent(contexts[r]) == 0
-        parents.append(new_comm(2, r, the_uid, blocking=False))
+        parents.append(new_comm(2, r, the_uid, blocking=False, split_share=parent_share))
         streams.append(new_stream())
     for c in parents:
         assert settled(c) == 0
-    answers = both_ranks(lambda r: split(parents[r], r, share), contexts)
+    answers = both_ranks(lambda r: split(parents[r], r, child_share), contexts)
     return answers, parents, [a[2] for a in answers], streams
 
 
-def connecting_pair(share: int) -> dict:
-    answers, parents, children, streams = split_pair(share)
+def connecting_pair(parent_share: int, child_share: int) -> dict:
+    answers, parents, children, streams = split_pair(parent_share, child_share)
     result = {"split_answer": answers[0][0], "parent_during_split": answers[0][1],
               "child_delivered": all(c.value for c in children)}
     # Rank 0 launches a send to rank 1, which has not reached the connection: the launch waits.
@@ -462,6 +474,10 @@ def connecting_pair(share: int) -> dict:
     thread.start()
     time.sleep(0.3)
     result["launch_waits_for_the_peer"] = "r" not in box
+    parallel_before = nccl.mpfake_nccl_parallel_calls()
+    assert cuda.cuCtxSetCurrent(ctx) == 0
+    async_state(children[0])  # while the launching thread is inside a call on the child
+    result["parallel_calls"] = nccl.mpfake_nccl_parallel_calls() - parallel_before
     unsafe_before = nccl.mpfake_nccl_unsafe_aborts()
     assert cuda.cuCtxSetCurrent(ctx) == 0
     aborted_at = time.monotonic()
@@ -481,7 +497,7 @@ def connecting_pair(share: int) -> dict:
 def connected_pair() -> dict:
     """Both ranks launch their side: the blocking child's launch connects, delivers, starts no thread."""
     contexts = [ctx, ctx1]
-    _, parents, children, streams = split_pair(1)
+    _, parents, children, streams = split_pair(1, 0)
     bufs = [(ctypes.c_uint8 * 8)(*range(8)), (ctypes.c_uint8 * 8)()]
     before = nccl.mpfake_nccl_group_threads()
     answers = both_ranks(lambda r: group([(1 - r, bufs[r], 1 - r, children[r], streams[r])]), contexts)
@@ -493,9 +509,28 @@ def connected_pair() -> dict:
 
 
 os.environ["MPFAKE_NCCL_GROUP_IN_PROGRESS_MS"] = "0"
-out["split_shared"] = connecting_pair(1)
-out["split_unshared"] = connecting_pair(0)
+out["split_shared"] = connecting_pair(1, 0)
+out["split_child_only"] = connecting_pair(0, 1)  # what the transport did before: NCCL shares nothing
+out["split_unshared"] = connecting_pair(0, 0)
 out["split_connected"] = connected_pair()
+
+
+def config_overreach(size: int) -> int:
+    """How many configs the model counted as covering bytes past their version's fields, for one
+    init with a 2.14 config of `size` bytes."""
+    nccl.mpfake_nccl_config_overreach.restype = ctypes.c_long
+    before = nccl.mpfake_nccl_config_overreach()
+    c = p()
+    uid = UniqueId()
+    assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
+    config = Config(size, 0xcafebeef, 21400, 0)
+    assert nccl.ncclCommInitRankConfig(ctypes.byref(c), 1, uid, 0, ctypes.byref(config)) in (0, 7)
+    settled(c)
+    nccl.ncclCommAbort(c)
+    return nccl.mpfake_nccl_config_overreach() - before
+
+
+out["config_overreach"] = {"padded": config_overreach(ctypes.sizeof(Config)), "exact": config_overreach(CONFIG_SIZE)}
 out["launch_order_none"] = opposite_orders("0")
 out["launch_order_serial"] = opposite_orders("1")
 out["launch_order_launch"] = opposite_orders("2")
