@@ -138,14 +138,19 @@ def _peer_posted(ref: OpRef, partner_state: int, posted: int, serialize_lanes: b
 
 
 def simulate(program: Program, *, details: bool = True, serialize_lanes: bool = False,
-             timeline: bool = False) -> Verdict:
+             timeline: bool = False, buffered_at_most: Optional[int] = None) -> Verdict:
     """Runs `program` to quiescence and says whether it completes, deadlocks or mismatches.
     details=False skips listing every pending op (the grid only needs verdicts).
     serialize_lanes=True runs each rank's steps of all lanes in one queue in issue order (one
     execution order per device, as NCCL may run its communicators); matching stays per lane.
-    timeline=True lists every op with the rounds it was posted and completed in."""
+    timeline=True lists every op with the rounds it was posted and completed in.
+    buffered_at_most: sends of at most this many bytes complete without their receive, in place of
+    the program's eager_threshold: the most a transport may buffer (Communicator.buffered_at_most),
+    under which a deadlock found is one that no buffering resolves."""
+    size, lanes, eager, streams = program.packed()
     verdict, rounds, mismatch, cycle, closed, pending, num_pending, ops = _C.simulate(
-        *program.packed(), details=details, serialize_lanes=serialize_lanes, timeline=timeline)
+        size, lanes, eager if buffered_at_most is None else buffered_at_most, streams, details=details,
+        serialize_lanes=serialize_lanes, timeline=timeline)
     result = Verdict(verdict, rounds, num_pending=num_pending, cycle_closed=closed if verdict == "deadlock" else True,
                      serialize_lanes=serialize_lanes)
     if mismatch is not None:

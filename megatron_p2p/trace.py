@@ -95,6 +95,7 @@ class Dump:
     backend: str
     lanes: int
     eager_threshold: int
+    buffered_at_most: int  # the most its transport may buffer of a send (absent in a dump: eager_threshold)
     pid: int
     hostname: str
     reason: str
@@ -263,6 +264,7 @@ def dump_from_record(obj: Any, path: Path) -> Dump:
     if error is not None and not isinstance(error, str):
         raise TraceError(f"{where}.error: must be a string or null, got {error!r}")
     members = frozenset(ranks)
+    eager = _field(obj, "eager_threshold", int, where, lambda v: v >= 0, "must be >= 0")
     ops = tuple(_read_op(op, f"{where}.ops[{i}]", rank, obj, members)
                 for i, op in enumerate(_field(obj, "ops", list, where)))
     seen: set[tuple[str, Channel, int]] = set()
@@ -275,7 +277,9 @@ def dump_from_record(obj: Any, path: Path) -> Dump:
         path=path, communicator=_field(obj, "communicator", str, where, bool, "must be a non-empty string"),
         rank=rank, group_rank=obj["group_rank"], size=size, ranks=tuple(ranks),
         backend=_field(obj, "backend", str, where), lanes=obj["lanes"],
-        eager_threshold=_field(obj, "eager_threshold", int, where, lambda v: v >= 0, "must be >= 0"),
+        eager_threshold=eager,
+        buffered_at_most=_field({"buffered_at_most": eager, **obj}, "buffered_at_most", int, where,
+                                lambda v: v >= eager, "must be >= eager_threshold"),
         pid=_field(obj, "pid", int, where), hostname=_field(obj, "hostname", str, where),
         reason=obj["reason"], error=error,
         time=float(_field(obj, "time", (int, float), where, lambda v: math.isfinite(v), "must be epoch seconds")),
@@ -297,7 +301,7 @@ def load_dumps(directory: "str | Path") -> list[Dump]:
     seen: dict[tuple[str, int], Dump] = {}
     for d in dumps:
         ref = first.setdefault(d.communicator, d)
-        for attr in ("size", "ranks", "lanes", "backend", "eager_threshold"):
+        for attr in ("size", "ranks", "lanes", "backend", "eager_threshold", "buffered_at_most"):
             if getattr(d, attr) != getattr(ref, attr):
                 raise TraceError(f"{d.path.name} (rank {d.rank}).{attr}: {getattr(d, attr)!r} disagrees with "
                                  f"{getattr(ref, attr)!r} in {ref.path.name} for communicator {d.communicator}")
@@ -317,7 +321,7 @@ class _Group:
         self.dumps = {d.rank: d for d in dumps}
         ref = dumps[0]
         self.id, self.size, self.ranks, self.lanes = ref.communicator, ref.size, ref.ranks, ref.lanes
-        self.eager_threshold = ref.eager_threshold
+        self.eager_threshold, self.buffered_at_most = ref.eager_threshold, ref.buffered_at_most
         self.group_rank = {r: i for i, r in enumerate(self.ranks)}
         self.missing = [r for r in self.ranks if r not in self.dumps]
         # channel -> side ("send"/"recv") -> seq -> op
@@ -466,7 +470,9 @@ def _cycle(g: _Group, report: CommunicatorReport, explained: set[TraceOp]) -> No
     if not any(op.unfinished for d in g.dumps.values() for op in d.ops):
         return
     program, where = _as_trace_error(g, _pending_program)
-    verdict = simulate(program)
+    # Every send its transport may buffer is taken as buffered: a cycle found is then one that no
+    # buffering resolves (on NCCL, where buffering depends on the topology, that is the certain one).
+    verdict = simulate(program, buffered_at_most=g.buffered_at_most)
     pending = sum(op.unfinished for d in g.dumps.values() for op in d.ops)
     if verdict.verdict == "ok":
         report.notes.append(f"{pending} ops were in flight; all of them can still complete")

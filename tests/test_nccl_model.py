@@ -665,20 +665,35 @@ def test_a_launch_connecting_to_a_peer_that_posts_late_delivers():
 
 # ---- deadlocks named on NCCL (megatron_p2p/stall.py) ---------------------------------------------
 
+# NCCL may buffer a send of up to Communicator.buffered_at_most bytes (csrc/nccl/nccl_buffering.c),
+# and the analysis names only cycles that no buffering resolves. NCCL's defaults allow 256 MiB
+# (64 channels of 8 steps of 512 KiB); the job sets NCCL's own parameters so that the bound is
+# 1 MiB (1 channel, 8 steps of 128 KiB), and its deadlocks send 4 MiB.
+STALL_ENV = {"NCCL_MAX_P2P_NCHANNELS": "1", "NCCL_BUFFSIZE": str(1 << 20)}
+STALL_BOUND = 1 << 20
+ABOVE_BOUND = 1 << 20  # floats: 4 MiB
+BUFFERED = {"MPFAKE_NCCL_EAGER_BYTES": "4096"}  # the model's buffering of NCCL's, for sends of 1 KiB
 STALL_CASES = {  # one 3-rank job runs them all, in this order (workers/nccl_model_stall.py)
-    "ring": {"case": "ring", "timeout": 300.0},
-    "ring_buffered": {"case": "ring", "timeout": 30.0, "numel": 256, "env": {"MPFAKE_NCCL_EAGER_BYTES": "4096"}},
-    "send_send": {"case": "send_send", "timeout": 300.0, "numel": 256},
-    "send_send_stream_wait": {"case": "send_send", "timeout": 4.0, "numel": 256, "stream_wait": True},
+    "ring": {"case": "ring", "timeout": 300.0, "numel": ABOVE_BOUND},
+    "ring_buffered": {"case": "ring", "timeout": 30.0, "numel": 256, "env": BUFFERED},
+    "send_send": {"case": "send_send", "timeout": 300.0, "numel": ABOVE_BOUND},
+    "send_send_stream_wait": {"case": "send_send", "timeout": 4.0, "numel": ABOVE_BOUND, "stream_wait": True},
     "computing": {"case": "computing", "timeout": 60.0, "numel": 256, "compute": 5.0},
     "slow": {"case": "slow", "timeout": 60.0, "numel": 256, "env": {"MPFAKE_NCCL_DELAY_MS": "3000"}},
 }
+# The sends' kernels start 3 s late (the lane waits behind local device work), so for 3 s nothing
+# is buffered and both hosts wait on sends whose receives are not posted. Two ranks alone: a third
+# that publishes no wait would keep any cycle from being named, and the case would prove nothing.
+BUFFERED_LATE = {"case": "send_send", "timeout": 30.0, "numel": 256,
+                 "env": {**BUFFERED, "MPFAKE_NCCL_DELAY_MS": "3000"}}
+BUFFERED_LATE_DELAY_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def stalls() -> dict[str, list[dict]]:
     """Per case, each rank's record of what its wait raised."""
-    ranks = run_ranks("nccl_model_stall.py", 3, {"cases": list(STALL_CASES.values())}, timeout=600)
+    ranks = run_ranks("nccl_model_stall.py", 3, {"cases": list(STALL_CASES.values())}, env=STALL_ENV, timeout=600)
+    assert {r[0]["buffered_at_most"] for r in ranks} == {STALL_BOUND}, ranks
     return {name: [r[i]["wait"] for r in ranks] for i, name in enumerate(STALL_CASES)}
 
 
@@ -693,9 +708,18 @@ def test_a_ring_of_buffered_small_sends_completes_unreported(stalls):
         assert wait["type"] is None, (rank, wait)
 
 
-def test_two_ranks_sending_to_each_other_in_host_waits_are_a_deadlock(stalls):
+def test_two_ranks_sending_to_each_other_more_than_nccl_can_buffer_in_host_waits_are_a_deadlock(stalls):
     for rank, wait in enumerate(stalls["send_send"][:2]):
         assert wait["type"] == "DeadlockError" and wait["elapsed"] < 3.0, (rank, wait)
+
+
+def test_buffered_send_send_delayed_by_local_device_work_is_not_a_deadlock():
+    """NCCL completes a send it can buffer without its receive, however late its kernel starts:
+    both ranks wait out the kernels' delay and finish, where a rendezvous analysis names a cycle."""
+    ranks = run_ranks("nccl_model_stall.py", 2, {"cases": [BUFFERED_LATE]}, env=STALL_ENV, timeout=120)
+    for rank, (out,) in enumerate(ranks):
+        wait = out["wait"]
+        assert wait["type"] is None and wait["elapsed"] >= BUFFERED_LATE_DELAY_S * 0.8, (rank, wait)
 
 
 def test_a_send_send_cycle_through_a_rank_not_in_a_host_wait_is_only_a_timeout(stalls):

@@ -153,14 +153,54 @@ def test_cycle_is_reported_with_its_ranks_and_ops(tmp_path, run_cli):
 
 def test_cycle_through_lane_order_is_reported(tmp_path):
     # One lane: each rank's receive is posted, but queued behind its own blocked send.
-    for r in (0, 1):
-        write_dump(tmp_path, r, [op("send", 1 - r, 0, state="posted"), op("recv", 1 - r, 0, state="posted")],
-                   lanes=1, reason="signal")
+    lane_order_cycle(tmp_path)
     report = analyse(tmp_path)
     (cycle,) = report.findings("cycle")
     assert sorted(cycle.ranks) == [0, 1]
     assert "waits behind its lane 0" in cycle.text
     assert not report.findings("unmatched")  # every op has its partner; only the order is wrong
+
+
+def lane_order_cycle(directory: Path, **settings: Any) -> None:
+    for r in (0, 1):
+        write_dump(directory, r, [op("send", 1 - r, 0, state="posted"), op("recv", 1 - r, 0, state="posted")],
+                   lanes=1, reason="signal", **settings)
+
+
+def test_a_cycle_of_sends_larger_than_the_transport_buffers_is_reported(tmp_path):
+    lane_order_cycle(tmp_path, buffered_at_most=63)  # the sends are 64 bytes
+    assert analyse(tmp_path).findings("cycle")
+
+
+def test_a_cycle_of_sends_the_transport_may_buffer_is_not_reported(tmp_path):
+    """NCCL may complete each send without its receive (buffered_at_most, docs/trace-format.md):
+    the dumps cannot show that the cycle will not resolve."""
+    lane_order_cycle(tmp_path, buffered_at_most=64)
+    report = analyse(tmp_path)
+    assert not report.findings("cycle"), report.text()
+
+
+@pytest.mark.parametrize("settings, error", [
+    ({"eager_threshold": 128, "buffered_at_most": 64}, r"\.buffered_at_most: must be >= eager_threshold"),
+    ({"buffered_at_most": "64"}, r"\.buffered_at_most"),
+])
+def test_a_buffered_at_most_below_the_eager_threshold_is_refused(tmp_path, settings, error):
+    write_dump(tmp_path, 0, [], **settings)
+    with pytest.raises(trace.TraceError, match=error):
+        trace.load_dumps(tmp_path)
+
+
+def test_a_dump_without_buffered_at_most_buffers_up_to_its_eager_threshold(tmp_path):
+    write_dump(tmp_path, 0, [], eager_threshold=128)
+    (dump,) = trace.load_dumps(tmp_path)
+    assert dump.buffered_at_most == 128
+
+
+def test_dumps_that_disagree_on_buffered_at_most_are_refused(tmp_path):
+    write_dump(tmp_path, 0, [], buffered_at_most=64)
+    write_dump(tmp_path, 1, [], buffered_at_most=128)
+    with pytest.raises(trace.TraceError, match="buffered_at_most: 128 disagrees with 64"):
+        trace.load_dumps(tmp_path)
 
 
 def test_ops_in_flight_that_can_complete_are_not_a_cycle(tmp_path):
@@ -430,7 +470,7 @@ class FakeComm:
 
     def __init__(self, ops: list[dict]) -> None:
         self.id, self.global_rank, self.rank, self.size, self.ranks = COMM, 3, 1, 2, (2, 3)
-        self.backend, self.lanes, self.eager_threshold = "nccl", 2, 0
+        self.backend, self.lanes, self.eager_threshold, self.buffered_at_most = "nccl", 2, 0, 1 << 28
         self.on_error = None
         self._ops = ops
 
@@ -446,9 +486,10 @@ def test_dump_writes_the_documented_record(tmp_path, monkeypatch):
     record = json.loads(path.read_text())
     assert record["ops"] == entries
     assert {k: record[k] for k in ("format", "communicator", "rank", "group_rank", "size", "ranks", "backend",
-                                   "lanes", "reason", "error", "pid")} == {
+                                   "lanes", "buffered_at_most", "reason", "error", "pid")} == {
         "format": "megatron_p2p.trace/1", "communicator": COMM, "rank": 3, "group_rank": 1, "size": 2,
-        "ranks": [2, 3], "backend": "nccl", "lanes": 2, "reason": "error", "error": "P2PTimeoutError: late",
+        "ranks": [2, 3], "backend": "nccl", "lanes": 2, "buffered_at_most": 1 << 28, "reason": "error",
+        "error": "P2PTimeoutError: late",
         "pid": os.getpid()}
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary file was renamed
 
@@ -497,6 +538,7 @@ sys.path.insert(0, {str(ROOT)!r})
 from megatron_p2p import flight_recorder
 class FakeComm:
     id, global_rank, rank, size, ranks, backend, lanes, eager_threshold = "{COMM}", 3, 1, 2, (2, 3), "shm", 2, 0
+    buffered_at_most = 0
     on_error = None
     def recent_ops(self):
         return []

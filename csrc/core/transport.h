@@ -5,6 +5,7 @@
 #define MP_TRANSPORT_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "interrupt.h"
 #include "op.h"
@@ -66,6 +67,10 @@ struct mp_transport {
     int rank;
     int size;
     int nlanes;
+    /* The largest send that may complete before its receive is posted; a larger one never does.
+     * shm: its eager threshold, exactly; NCCL: a bound from NCCL's parameters (nccl_buffering.c).
+     * The stall analysis takes sends at or under it as buffered, so a cycle it names is certain. */
+    uint64_t buffered_at_most;
 };
 
 #endif

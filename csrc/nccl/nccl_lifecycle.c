@@ -1,12 +1,12 @@
 /* The NCCL transport's life: error strings, the device context every call enters, creation
  * (communicators, streams, warm-up), abort and destroy, and the vtable that joins the parts. */
-#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "core/clock.h"
 #include "nccl_internal.h"
+#include "nccl_buffering.h"
 #include "nccl_param.h"
 
 /* ---- errors and the device's context ------------------------------------------------------ */
@@ -400,6 +400,7 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     n->base.rank = cfg->rank;
     n->base.size = cfg->size;
     n->base.nlanes = cfg->nlanes;
+    n->base.buffered_at_most = mp_nccl_buffered_at_most(nccl->version, MP_NCCL_SYSTEM_CONF);
     n->nccl = nccl;
     n->cu = cuda;
     n->device = cfg->device;

@@ -289,6 +289,7 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
         goto fail;
     }
     self->transport = t;
+    self->buffered_at_most = t->buffered_at_most;
     self->owner = getpid();
     PyObject *added = PyObject_CallMethod(st->live, "add", "O", (PyObject *)self); /* for the fork hook */
     if (!added) {

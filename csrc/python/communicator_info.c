@@ -123,6 +123,7 @@ static PyObject *get_next_rank(CommObject *self, void *Py_UNUSED(c)) { return Py
 static PyObject *get_lanes(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->nlanes); }
 static PyObject *get_timeout(CommObject *self, void *Py_UNUSED(c)) { return PyFloat_FromDouble(self->timeout); }
 static PyObject *get_eager(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(self->eager_threshold); }
+static PyObject *get_buffered(CommObject *self, void *Py_UNUSED(c)) { return PyLong_FromUnsignedLongLong(self->buffered_at_most); }
 static PyObject *get_backend(CommObject *self, void *Py_UNUSED(c)) { return Py_NewRef(self->backend); }
 static PyObject *get_closed(CommObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->transport == NULL); }
 static PyObject *get_host_waiting(CommObject *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->host_waits > 0); }
@@ -173,6 +174,9 @@ PyGetSetDef mp_comm_getset[] = {
     {"lanes", (getter)get_lanes, NULL, "Independent ordered queues: 1, or 2 (forward, backward).", NULL},
     {"timeout", (getter)get_timeout, NULL, "Default deadline of a wait, in seconds.", NULL},
     {"eager_threshold", (getter)get_eager, NULL, "Sends up to this many bytes complete without a posted receive.", NULL},
+    {"buffered_at_most", (getter)get_buffered, NULL,
+     "The largest send that may complete without a posted receive; a larger one never does (shm: "
+     "eager_threshold; NCCL: a bound from NCCL's buffer parameters).", NULL},
     {"backend", (getter)get_backend, NULL, "The transport: 'shm' or 'nccl'.", NULL},
     {"arena_bytes", (getter)mp_comm_arena_bytes, NULL,
      "Size of this rank's receive arena (shm; 0: none), from which empty() allocates.", NULL},

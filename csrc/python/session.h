@@ -28,6 +28,7 @@ typedef struct {
     int *global_ranks;       /* group rank -> global rank */
     double timeout;
     uint64_t eager_threshold;
+    uint64_t buffered_at_most; /* the transport's (transport.h), kept past close */
     uint64_t *send_seq;      /* [lane][peer]: sends issued so far */
     uint64_t *recv_seq;      /* [lane][peer] */
     uint64_t *lane_steps;    /* [lane] */

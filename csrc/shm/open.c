@@ -199,6 +199,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->base.rank = cfg->rank;
     s->base.size = cfg->size;
     s->base.nlanes = cfg->nlanes;
+    s->base.buffered_at_most = cfg->eager_threshold;
     s->eager_threshold = cfg->eager_threshold;
     pthread_mutex_init(&s->lock, NULL);
     pthread_mutex_init(&s->engine, NULL);

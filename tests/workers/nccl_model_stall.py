@@ -3,7 +3,7 @@
 communicator, with the model's options of its "env" set while it is created:
   ring       every rank isends to its next, then irecvs from its previous rank, and synchronizes:
              the naive ring, a cycle of posted ops
-  send_send  ranks 0 and 1 send to each other and synchronize (the receives never posted); with
+  send_send  ranks 0 and 1 send to each other and synchronize, then receive from each other; with
              "stream_wait", rank 1 only makes its stream wait and computes instead
   computing  rank 1 computes case["compute"] seconds before it posts its receive from rank 0
   slow       rank 0 sends to rank 1, whose kernels each take MPFAKE_NCCL_DELAY_MS
@@ -38,13 +38,14 @@ def run_case(mp, torch, on, case, rank):
                 time.sleep(case["timeout"] + 2)  # computing, never in a host wait
             else:
                 s.synchronize()
+                comm.irecv(on(got), 1 - rank).synchronize()  # reached only where the send was buffered
         elif rank == 0:  # computing, slow
             comm.isend(on(send), 1).synchronize()
         else:
             time.sleep(case.get("compute", 0.0))
             comm.irecv(on(got), 0).synchronize()
 
-    out = {"wait": harness.caught(run)}
+    out = {"wait": harness.caught(run), "buffered_at_most": comm.buffered_at_most}
     comm.close()
     return out
 
