@@ -496,6 +496,34 @@ def test_abort_with_no_group_in_progress_returns_at_once():
     assert v["exchange"]["type"] is not None and v["abort_returned_after"] < 0.5, v
 
 
+# ---- a failed op's buffers outlive its kernel (workers/nccl_model_abort_buffers.py) ------------------
+
+LATE_KERNEL_MS = 3000  # rank 0's kernels start this late, as behind the caller's device work
+BUFFERED_SMALL = {"MPFAKE_NCCL_EAGER_BYTES": "4096"}
+
+
+def abort_buffers(case: str, close: bool = False) -> dict:
+    ranks = run_ranks("nccl_model_abort_buffers.py", 2, {"case": case, "delay_ms": LATE_KERNEL_MS, "close": close},
+                      env=BUFFERED_SMALL, timeout=120)
+    return ranks[0]
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["recent-ops", "close"])
+def test_a_failed_receive_keeps_its_buffer_until_its_late_kernel_has_written_it(close):
+    """NCCL's kernel reads the abort flag only while it waits, so one that starts after the abort
+    with its bytes ready writes them (nccl_drain.c): the package must hold the buffer until then."""
+    v = abort_buffers("late", close)
+    assert v["written"] and v["writes_after_abort"] >= 1, v  # the hazard happened
+    assert v["held_after_abort"] or close, v  # close() itself waits for the kernel, then lets go
+    assert v["released_after_post_s"] is not None and v["released_after_post_s"] >= LATE_KERNEL_MS / 1000, v
+
+
+def test_a_failed_receive_whose_kernel_ends_at_the_abort_flag_lets_its_buffer_go_at_once():
+    v = abort_buffers("idle")
+    assert not v["written"] and v["writes_after_abort"] == 0, v
+    assert v["released_after_abort_s"] is not None and v["released_after_abort_s"] < 1.0, v
+
+
 def test_close_with_work_that_never_completes_waits_out_the_timeout_then_aborts():
     """Finding 3, as the code behaves today: close() gives pending work the communicator's
     timeout (at exit too, through the atexit hook), then aborts."""

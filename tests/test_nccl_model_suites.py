@@ -18,7 +18,8 @@ from test_matching import (ALL_DTYPES, CONFIG_IDS, CONFIG_PARAMS, LANES, STEPS, 
                            expected_checks, expected_origins, group_failures, problems, recvs, report)
 from test_megatron_dropin import CONFIGS as METHOD_CONFIGS
 from test_megatron_dropin import METHODS, SCHEDULES, mcore, section  # noqa: F401 (mcore: a fixture)
-from test_nccl_model import FAKE_ENV, SILENT_SELF, fakes_built, run_one, run_ranks  # noqa: F401 (fakes_built: autouse)
+from test_nccl_model import (ABOVE_BOUND, FAKE_ENV, SILENT_SELF, STALL_ENV, fakes_built,  # noqa: F401 (autouse)
+                             run_one, run_ranks)
 
 KiB, MiB = 1 << 10, 1 << 20
 SLACK = 10.0  # a loaded 2-core machine: never assert tight timings
@@ -41,7 +42,8 @@ LAYOUTS = {"4 ranks": None, "strided pairs": [[0, 2], [1, 3]], "3 ranks and 1": 
 PARTITIONS = [groups for groups in LAYOUTS.values() if groups]
 PIPELINE_SIZES = (2, 3, 4)  # on the last `size` ranks, as sched_pipeline.py lays them out
 MEGATRON_TIMEOUT = 3.0  # ours in megatron-core's schedules: their waits take milliseconds
-NAIVE_RING = {"ranks": [0, 1, 2], "numel": 256, "timeout": 30.0}
+# Its sends are larger than NCCL may buffer (STALL_ENV bounds that at 1 MiB): only then is the cycle certain.
+NAIVE_RING = {"ranks": [0, 1, 2], "numel": ABOVE_BOUND, "timeout": 30.0}
 NAMED_WITHIN = 3.0  # a stall of MEGATRON_P2P_STALL_SECONDS (1 s), then the analysis (megatron_p2p/stall.py)
 
 PARAMS = {
@@ -59,7 +61,7 @@ def suites() -> list[dict]:
     """Per rank, {part: {"ok", "value" | "error", "traceback"}} (workers/nccl_model_suites.py).
     Without megatron-core the megatron part is left out (its tests skip, saying why)."""
     params = PARAMS if importlib.util.find_spec("megatron") else {k: v for k, v in PARAMS.items() if k != "megatron"}
-    return run_ranks("nccl_model_suites.py", 4, params, env=QUICK_IN_PROGRESS, timeout=300)
+    return run_ranks("nccl_model_suites.py", 4, params, env={**QUICK_IN_PROGRESS, **STALL_ENV}, timeout=300)
 
 
 def part(suites: list[dict], name: str) -> list[Any]:

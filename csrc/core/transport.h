@@ -60,6 +60,9 @@ typedef struct {
      * has been pending longer than `timeout` seconds, an asynchronous error's cause, or MP_OK.
      * Aborts nothing itself, so the caller can report the ops first; never waits on the peers. */
     mp_result (*watch)(mp_transport *t, double timeout, char *detail, size_t len);
+    /* Whether device work of ops that failed (an abort fails them at once) may still read or write
+     * their buffers, which the bindings keep alive until this says 0 (device transports). */
+    int (*failed_ops_running)(mp_transport *t);
 } mp_transport_ops;
 
 struct mp_transport {

@@ -35,6 +35,7 @@ typedef struct {
     mp_CUstream stream;
     mp_step *open_head, *open_tail; /* issued since begin(), not yet fenced */
     fence *head, *tail;      /* fenced, oldest first: events on one stream fire in order */
+    int unfenced_failed;     /* an abort failed steps issued here before they were fenced (nccl_drain.c) */
 } lane_t;
 
 typedef struct {
@@ -50,6 +51,7 @@ typedef struct {
     const mp_interrupt *interrupt; /* the caller's, while creation waits for the group */
     lane_t lanes[2];
     fence *spare;            /* recycled fences, each with its event */
+    fence *draining;         /* fences of steps an abort failed, until their kernels are over (nccl_drain.c) */
     /* Fences recorded during a CUDA graph capture: their events belong to the graph, which
      * re-records them at every replay, so they are never recycled nor queried. */
     fence *graph_fences;
@@ -98,6 +100,7 @@ mp_result nccl_fail_cuda(nccl_t *n, const char *what, mp_CUresult r);
 
 /* nccl_reaper.c: ncclCommAbort on a thread of its own, which may outlive the transport */
 void nccl_reap_start(nccl_t *n);
+int nccl_reap_done(nccl_t *n); /* every ncclCommAbort has returned; lock held */
 void nccl_reap_finish(nccl_t *n);
 void nccl_release(nccl_t *n);
 
@@ -114,6 +117,11 @@ mp_result nccl_begin(mp_transport *t, void *stream);
 mp_result nccl_post(mp_transport *t, mp_step *step);
 mp_result nccl_end(mp_transport *t);
 mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream);
+fence *nccl_fence_take(nccl_t *n, mp_CUresult *r); /* a spare fence, or a new one; lock held */
+
+/* nccl_drain.c: the device work of failed ops */
+void nccl_drain_fence(nccl_t *n, fence *f);
+int nccl_failed_ops_running(mp_transport *t);
 
 /* nccl_complete.c */
 void nccl_finish_steps(mp_step *s, mp_result r, const char *detail); /* finishes their ops, frees them */

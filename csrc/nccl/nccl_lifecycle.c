@@ -93,11 +93,13 @@ void nccl_unrelax(nccl_t *n, nccl_relaxed saved)
 
 /* ---- abort -------------------------------------------------------------------------------- */
 
-/* Fails every op not yet complete; after this the transport holds no op. Lock held. */
+/* Fails every op not yet complete; after this the transport holds no op, and drains their
+ * kernels (nccl_drain.c). Lock held. */
 static void fail_all(nccl_t *n, mp_result r, const char *detail)
 {
     for (int l = 0; l < n->base.nlanes; l++) {
         lane_t *lane = &n->lanes[l];
+        lane->unfenced_failed |= lane->open_head && !n->open_capture; /* captured work runs at replay only */
         nccl_finish_steps(lane->open_head, r, detail);
         lane->open_head = lane->open_tail = NULL;
         while (lane->head) {
@@ -105,8 +107,7 @@ static void fail_all(nccl_t *n, mp_result r, const char *detail)
             lane->head = f->next;
             nccl_finish_steps(f->steps, r, detail);
             f->steps = NULL;
-            f->next = n->spare;
-            n->spare = f;
+            nccl_drain_fence(n, f);
         }
         lane->tail = NULL;
     }
@@ -194,6 +195,11 @@ static void nccl_destroy(mp_transport *t)
         pthread_mutex_unlock(&n->lock);
         usleep(200);
     }
+    /* The bindings release the failed ops' buffers once this returns, so it waits for their kernels
+     * (nccl_drain.c), which end at the abort flag once they run: only device work queued before
+     * them (the caller's, which the lanes wait on) can hold them, and for at most the timeout. */
+    for (double until = mp_now() + n->timeout; nccl_failed_ops_running(t) && mp_now() < until;)
+        usleep(200);
     nccl_reap_finish(n);
 }
 
@@ -207,7 +213,7 @@ void nccl_release(nccl_t *n)
         for (int l = 0; l < n->base.nlanes; l++)
             if (n->lanes[l].stream)
                 n->cu->StreamDestroy(n->lanes[l].stream);
-        fence *lists[] = {n->spare, n->graph_fences};
+        fence *lists[] = {n->spare, n->draining, n->graph_fences};
         for (size_t k = 0; k < sizeof lists / sizeof *lists; k++)
             while (lists[k]) {
                 fence *f = lists[k];
@@ -249,6 +255,7 @@ static const mp_transport_ops nccl_ops = {
     .stream_wait = nccl_stream_wait,
     .watch = nccl_watch,
     .failure_report = nccl_failure_report,
+    .failed_ops_running = nccl_failed_ops_running,
 };
 
 /* ---- creation ------------------------------------------------------------------------------- */

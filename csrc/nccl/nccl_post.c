@@ -340,6 +340,25 @@ mp_result nccl_post(mp_transport *t, mp_step *step)
     return MP_OK; /* the step is ours either way; a failure is reported through its ops */
 }
 
+fence *nccl_fence_take(nccl_t *n, mp_CUresult *r)
+{
+    fence *f = n->spare;
+    *r = MP_CUDA_SUCCESS;
+    if (f) {
+        n->spare = f->next;
+        return f;
+    }
+    if (!(f = calloc(1, sizeof *f))) {
+        *r = MP_CUDA_ERROR_OUT_OF_MEMORY;
+        return NULL;
+    }
+    if ((*r = n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING)) != MP_CUDA_SUCCESS) {
+        free(f);
+        return NULL;
+    }
+    return f;
+}
+
 mp_result nccl_end(mp_transport *t)
 {
     nccl_t *n = (nccl_t *)t;
@@ -354,7 +373,7 @@ mp_result nccl_end(mp_transport *t)
         lane_t *lane = &n->lanes[l];
         if (!lane->open_head)
             continue;
-        fence *f = n->spare;
+        fence *f;
         mp_CUresult r = MP_CUDA_SUCCESS;
         if (n->open_capture) {
             /* Captured work runs at each replay: its ops are stream-ordered only, and done here. */
@@ -373,16 +392,7 @@ mp_result nccl_end(mp_transport *t)
             lane->open_head = lane->open_tail = NULL;
             continue;
         }
-        if (f) {
-            n->spare = f->next;
-        } else if ((f = calloc(1, sizeof *f))) {
-            r = n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING);
-            if (r != MP_CUDA_SUCCESS) {
-                free(f);
-                f = NULL;
-            }
-        }
-        if (f && r == MP_CUDA_SUCCESS)
+        if ((f = nccl_fence_take(n, &r)))
             r = n->cu->EventRecord(f->event, lane->stream);
         if (!f || r != MP_CUDA_SUCCESS) {
             if (f) {

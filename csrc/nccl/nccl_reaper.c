@@ -108,6 +108,17 @@ void nccl_reap_start(nccl_t *n)
     }
 }
 
+int nccl_reap_done(nccl_t *n)
+{
+    struct nccl_reaper *r = n->reaper;
+    if (!r)
+        return 1; /* aborted inline, or never */
+    pthread_mutex_lock(&r->lock);
+    int done = r->done;
+    pthread_mutex_unlock(&r->lock);
+    return done;
+}
+
 /* The end of a destroy, lock not held: releases the transport once its abort has returned, or
  * within NCCL_ABORT_BOUND hands it to the reaper, which releases it when NCCL returns. */
 void nccl_reap_finish(nccl_t *n)

@@ -80,19 +80,23 @@ void mp_comm_prune(CommObject *self)
     PyObject *list = self->inflight;
     Py_ssize_t keep = 0, n = PyList_GET_SIZE(list);
     double now = 0;
+    int failed_running = -1; /* asked of the transport once, when a failed op is found */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(list, i);
         const mp_op *op = &((RequestObject *)item)->op;
         if (mp_op_done(op)) {
             mp_trace_entry *e = mp_trace_entry_of(self->trace, op->trace_id);
-            if (e) {
+            if (e && e->state == MP_TRACE_POSTED) {
                 if (!now)
                     now = mp_wall_time();
                 e->state = op->result == MP_OK ? MP_TRACE_COMPLETED : MP_TRACE_FAILED;
                 e->result = op->result;
                 e->t_completed = now;
             }
-            continue;
+            if (op->result != MP_OK && failed_running < 0)
+                failed_running = t && t->ops->failed_ops_running && t->ops->failed_ops_running(t);
+            if (op->result == MP_OK || !failed_running)
+                continue; /* released: nothing on the device touches its buffers any more */
         }
         /* Swap the live item forward; the slice deletion below releases the finished ones. */
         PyList_SET_ITEM(list, i, PyList_GET_ITEM(list, keep));

@@ -188,12 +188,21 @@ static void number_ops(const task_t *t, op_run *st)
     pthread_mutex_unlock(&lib_lock);
 }
 
-/* Runs the kernel's ops together until all are done or the communicator is aborted. */
+/* Receives that wrote into their buffer after their communicator was aborted: the hazard that a
+ * caller who frees a failed op's buffer at the abort meets (a test asserts the package still held
+ * the buffer then). */
+static _Atomic long writes_after_abort;
+API long mpfake_nccl_writes_after_abort(void) { return atomic_load(&writes_after_abort); }
+
+/* Runs the kernel's ops together until all are done, or until the communicator is aborted while
+ * none can move. NCCL's kernel reads the abort flag only while it waits: ncclKernelMain clears
+ * ncclShmem.aborted as it starts and never reads the flag there (src/device/common.h), and the
+ * primitives poll it in their wait loops only (src/device/primitives.h checkAbort, called from
+ * src/device/prims_simple.h waitPeer). So a kernel that starts after the abort, or is running at
+ * it, still moves the data that is ready: a receive whose bytes are buffered writes its buffer. */
 static void run_ops(const task_t *t)
 {
     comm_t *c = t->comm;
-    if (atomic_load(c->abort_flag))
-        return;
     if (c->f.delay_ms > 0)
         sleep_ms(c->f.delay_ms);
     op_run *run = calloc((size_t)t->nops, sizeof *run);
@@ -204,7 +213,7 @@ static void run_ops(const task_t *t)
     }
     number_ops(t, run);
     int left = t->nops;
-    for (unsigned spins = 0; left > 0 && !atomic_load(c->abort_flag); spins++) {
+    for (unsigned spins = 0; left > 0; spins++) {
         int moved = 0;
         for (int i = 0; i < t->nops && !stalled(c); i++) {
             const op_t *o = &t->ops[i];
@@ -213,15 +222,20 @@ static void run_ops(const task_t *t)
                 continue;
             size_t before = st->progress;
             int before_flags = st->flag + 2 * st->announced;
-            if (o->send ? send_step(c, o, st) : recv_step(c, o, st)) {
+            int done = o->send ? send_step(c, o, st) : recv_step(c, o, st);
+            if (done) {
                 st->done = 1;
                 left--;
                 count_done(c);
             }
+            if (!o->send && (done || st->progress != before) && atomic_load(c->abort_flag))
+                atomic_fetch_add(&writes_after_abort, 1);
             moved |= st->done || st->progress != before || st->flag + 2 * st->announced != before_flags;
         }
         if (moved)
             spins = 0;
+        else if (atomic_load(c->abort_flag))
+            break; /* waiting, where NCCL reads the flag */
         else
             pause_for(spins);
     }
