@@ -8,12 +8,13 @@ import pytest
 from test_nccl_model import fakes_built, run_ranks  # noqa: F401 - fakes_built is an autouse fixture
 
 REPLAYS = 100
+CAPTURES = 10
 
 
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory) -> tuple[list[dict], str]:
     log = tmp_path_factory.mktemp("capture") / "forbidden.log"
-    ranks = run_ranks("nccl_model_graph.py", 2, {"replays": REPLAYS, "check": True},
+    ranks = run_ranks("nccl_model_graph.py", 2, {"replays": REPLAYS, "check": True, "captures": CAPTURES},
                       env={"MPFAKE_CUDA_CAPTURE_LOG": str(log)})
     return ranks, log.read_text() if log.exists() else ""
 
@@ -50,3 +51,18 @@ def test_debug_matching_refuses_to_post_under_capture_naming_the_variable(captur
     for v in ranks:
         assert v["check"]["type"] == "P2PError" and "MEGATRON_P2P_CHECK" in v["check"]["msg"], v["check"]
         assert v["check"]["end_capture"] == 0, v["check"]  # refused before anything was captured
+
+
+def test_each_new_capture_of_a_step_delivers_that_runs_values(captured):
+    ranks, _ = captured
+    for v in ranks:
+        assert [c["arrived"] for c in v["captures"]] == v["eager"][:CAPTURES]
+
+
+def test_a_captures_events_are_reused_once_it_has_ended_so_repeated_captures_hold_no_more(captured):
+    """An event recorded during capture is no node of the graph (nccl_post.c recycle_graph_fences):
+    each capture reuses the last one's, where keeping them all would grow with every capture."""
+    ranks, _ = captured
+    for v in ranks:
+        live = [c["live_events"] for c in v["captures"]]
+        assert len(live) == CAPTURES and live[-1] == live[1], live

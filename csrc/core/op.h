@@ -58,7 +58,8 @@ typedef struct mp_op {
     int index;            /* position in its step's ops */
     void *fence;          /* device transports: what completes it */
     struct mp_op *next_settled; /* shm: the next op of its step done but not yet shown done */
-    int captured;         /* device transports: posted into a CUDA graph capture; stream-ordered only */
+    unsigned long long captured; /* device transports: the id of the CUDA graph capture it was posted
+                                  * into, 0 for none; stream-ordered only */
     void *remote;         /* shm send: the receiver's arena buffer, as mapped here */
     int offered;          /* shm receive: whether its sender knows where its buffer is (and may write it) */
 } mp_op;

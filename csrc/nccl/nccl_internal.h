@@ -52,8 +52,8 @@ typedef struct {
     lane_t lanes[2];
     fence *spare;            /* recycled fences, each with its event */
     fence *draining;         /* fences of steps an abort failed, until their kernels are over (nccl_drain.c) */
-    /* Fences recorded during a CUDA graph capture: their events belong to the graph, which
-     * re-records them at every replay, so they are never recycled nor queried. */
+    /* Fences recorded during a CUDA graph capture, never queried: ordering inside the capture
+     * only, recycled once it has ended (nccl_post.c recycle_graph_fences). */
     fence *graph_fences;
     /* The capture of the caller's stream at begin(), 0 when none: what end() fences belongs to it.
      * Only posting reads it; every other call asks the stream it is given. */

@@ -71,20 +71,40 @@ static unsigned long long capture_of(nccl_t *n, mp_CUstream stream)
     return status == MP_CU_STREAM_CAPTURE_STATUS_NONE ? 0 : id ? id : 1;
 }
 
-/* A fence with a fresh event, owned by the graph being captured until the transport is destroyed. */
+/* A fence for the capture under way: only streams of that capture may wait on its event, and only
+ * while it lasts (a later wait is refused by the op's capture id, never read from the fence). */
 static fence *graph_fence(nccl_t *n, unsigned long long capture, mp_CUresult *r)
 {
-    fence *f = calloc(1, sizeof *f);
-    if (f)
-        f->capture = capture;
-    *r = f ? n->cu->EventCreate(&f->event, MP_CU_EVENT_DISABLE_TIMING) : MP_CUDA_ERROR_OUT_OF_MEMORY;
-    if (*r != MP_CUDA_SUCCESS) {
-        free(f);
+    fence *f = nccl_fence_take(n, r);
+    if (!f)
         return NULL;
-    }
+    f->capture = capture;
     f->next = n->graph_fences;
     n->graph_fences = f;
     return f;
+}
+
+/* An event recorded on a capturing stream adds only an ordering to the graph: no node refers to it
+ * and no replay records it (only cuEventRecordWithFlags with CU_EVENT_RECORD_EXTERNAL makes an
+ * event node), so a capture's fences are free once it has ended. Every capture the transport
+ * takes part in includes lane 0 (begin() joins every lane), so those not lane 0's current one have
+ * ended. Lock held, context current. */
+static void recycle_graph_fences(nccl_t *n)
+{
+    if (!n->graph_fences)
+        return;
+    unsigned long long live = capture_of(n, n->lanes[0].stream);
+    for (fence **p = &n->graph_fences; *p;) {
+        fence *f = *p;
+        if (f->capture == live) {
+            p = &f->next;
+            continue;
+        }
+        *p = f->next;
+        f->capture = 0;
+        f->next = n->spare;
+        n->spare = f;
+    }
 }
 
 /* ---- the real NCCL calls, on one lane's communicator ------------------------------------- */
@@ -263,6 +283,8 @@ mp_result nccl_begin(mp_transport *t, void *stream)
     if (res == MP_OK && entered != MP_CUDA_SUCCESS)
         res = nccl_fail_cuda(n, ENTER_FAILED, entered);
     n->open_capture = res == MP_OK ? capture_of(n, (mp_CUstream)stream) : 0;
+    if (res == MP_OK)
+        recycle_graph_fences(n);
     if (n->open_capture && n->check) /* debug matching waits on the host before every step */
         res = MP_ERR_CAPTURE;
     if (res == MP_OK) {
@@ -386,7 +408,7 @@ mp_result nccl_end(mp_transport *t)
             for (mp_step *s = lane->open_head; s; s = s->next)
                 for (int i = 0; i < s->nops; i++) {
                     s->ops[i]->fence = f;
-                    s->ops[i]->captured = 1;
+                    s->ops[i]->captured = n->open_capture;
                 }
             nccl_finish_steps(lane->open_head, MP_OK, "");
             lane->open_head = lane->open_tail = NULL;
@@ -440,7 +462,7 @@ mp_result nccl_stream_wait(mp_transport *t, mp_op *op, void *stream)
     unsigned long long capture = capture_of(n, (mp_CUstream)stream);
     const fence *f = op->fence;
     if (op->captured) {
-        if (!f || f->capture != capture)
+        if (!f || op->captured != capture) /* its capture has ended, or is another: its fence may be reused */
             res = MP_ERR_CAPTURE;
     } else if (!mp_op_done(op) && n->cause == MP_OK) {
         nccl_relaxed relaxed = nccl_relax(n);

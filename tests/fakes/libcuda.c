@@ -470,6 +470,10 @@ static CUresult resolve_event(ctx_t *c, CUevent event, event_t **out)
     return CUDA_SUCCESS;
 }
 
+/* For tests: events created and not yet destroyed, to show what a caller lets accumulate. */
+static _Atomic long live_events;
+long mpfake_cuda_live_events(void) { return atomic_load(&live_events); }
+
 CUresult cuEventCreate(CUevent *event, unsigned int flags)
 {
     ctx_t *c;
@@ -483,6 +487,7 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags)
         return CUDA_ERROR_OUT_OF_MEMORY;
     e->ctx = c;
     *event = (CUevent)e;
+    atomic_fetch_add(&live_events, 1);
     return CUDA_SUCCESS;
 }
 
@@ -500,6 +505,7 @@ CUresult cuEventDestroy_v2(CUevent event)
     pthread_mutex_lock(&driver_lock);
     e->ctx = NULL; /* later use is an invalid handle */
     pthread_mutex_unlock(&driver_lock);
+    atomic_fetch_sub(&live_events, 1);
     return CUDA_SUCCESS;
 }
 

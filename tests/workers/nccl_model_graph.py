@@ -3,7 +3,8 @@ calls), on the NCCL backend over the fakes: run eagerly, then captured into a CU
 non-blocking stream and replayed params["replays"] times. Before each run the host writes that
 run's values into the send buffers; after it, each rank reports what arrived. Also reports what
 a captured Request answers to synchronize() and is_completed(), and what MEGATRON_P2P_CHECK=1
-makes of a capture (params["check"])."""
+makes of a capture (params["check"]). Then params["captures"] more captures of the step, each
+launched once and destroyed, with the run's values and the driver's live events after each."""
 import ctypes
 import os
 
@@ -84,6 +85,19 @@ def body(params):
         assert cuda.cuStreamSynchronize(stream) == 0
         replayed.append(arrived())
     out.update(eager=eager, replayed=replayed, after=harness.caught(lambda: [q.synchronize() for q in step()]))
+    assert cuda.cuGraphExecDestroy(exe) == 0 and cuda.cuGraphDestroy(graph) == 0
+    cuda.mpfake_cuda_live_events.restype = ctypes.c_long
+    out["captures"] = []
+    for run in range(params.get("captures", 0)):
+        fill(run)
+        assert cuda.cuStreamBeginCapture_v2(stream, 0) == 0
+        for req in step():
+            req.wait()
+        assert cuda.cuStreamEndCapture(stream, ctypes.byref(graph)) == 0
+        assert cuda.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, 0) == 0
+        assert cuda.cuGraphLaunch(exe, stream) == 0 and cuda.cuStreamSynchronize(stream) == 0
+        assert cuda.cuGraphExecDestroy(exe) == 0 and cuda.cuGraphDestroy(graph) == 0
+        out["captures"].append({"arrived": arrived(), "live_events": cuda.mpfake_cuda_live_events()})
     comm.close()
     return out
 
