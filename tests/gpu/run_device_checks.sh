@@ -40,6 +40,17 @@ step() {
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+# The NCCL 2.30.7 that tests/gpu/build_nccl.sh built here and that travelled with the tree, unless
+# one is named: it allows two ranks on one GPU, where torch's own NCCL may not.
+CARRIED=build/nccl/libnccl.so.2
+if [ -z "${MEGATRON_P2P_NCCL_LIBRARY:-}" ] && [ -f "$CARRIED" ]; then
+    if tests/gpu/build_nccl.sh --check "$CARRIED"; then
+        export MEGATRON_P2P_NCCL_LIBRARY="$PWD/$CARRIED"
+    else
+        echo "the carried $CARRIED does not load here: using the NCCL the loader finds"
+    fi
+fi
+echo "MEGATRON_P2P_NCCL_LIBRARY=${MEGATRON_P2P_NCCL_LIBRARY:-unset, so the loader searches}"
 "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 step build 90 "$PY" setup.py --quiet build_ext --inplace --build-temp build/gpu-temp
 if [ "$status" -ne 0 ]; then
