@@ -60,7 +60,7 @@ def close_tells(comm, params, out, on, torch):
             r.synchronize()
         if comm.rank == 0:
             comm.close()
-            time.sleep(params["wait"] + 3.0)  # alive, so only a relayed abort could fail rank 1's op
+            time.sleep(params["wait"] + 2.0)  # alive, so only a relayed abort could fail rank 1's op
             return out
         req = comm.isend(on(t), peer)
         out["wait"] = harness.caught(lambda: req.synchronize(timeout=params["wait"]))
@@ -70,7 +70,7 @@ def close_tells(comm, params, out, on, torch):
         start = time.monotonic()
         comm.close()
         out["close_seconds"] = time.monotonic() - start
-        time.sleep(5.0)
+        time.sleep(3.0)  # alive while rank 1 hears of the close through the store
         return out
     out["wait"] = harness.caught(lambda: req.synchronize())
     return out
