@@ -9,10 +9,13 @@ two_process_worker.py under torchrun and judges each part from what every rank w
 - end job (the handling's default under torchrun): the watchdog ends the stalled rank with
   status 70 and torchrun ends the job within END_WITHIN_S of the stall.
 
+With --model, the same jobs run on the model of libcuda and libnccl under tests/fakes/ (the dry
+run; `make fakes` builds it): only the libraries differ (see target.py).
+
 Prints one PASS/FAIL line per check with its time, writes <out>/two_process.json, and exits
 nonzero when a check failed. Every job has a wall-clock limit inside the budget.
 
-    python tests/gpu/two_process_checks.py [--out DIR] [--budget SECONDS]
+    python tests/gpu/two_process_checks.py [--model] [--out DIR] [--budget SECONDS]
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parents[1]))  # the source tree, when not installed
 sys.path.append(str(HERE.parents[1] / "benchmarks"))
 import megatron_p2p as mp  # noqa: E402
+import target  # noqa: E402
 from launch import job_pids  # noqa: E402
 
 WORKER = HERE / "two_process_worker.py"
@@ -172,8 +176,11 @@ def choose_ranks() -> tuple[int, str, dict[str, Any]]:
     return 1, f"{named} < 2.30 has no multi-rank GPU: the self-loop (one rank)", versions
 
 
-def run_all(out: Path, budget: float) -> dict[str, Any]:
-    """Runs both jobs within `budget` seconds; prints and returns every verdict."""
+def run_all(out: Path, budget: float, model: bool = False) -> dict[str, Any]:
+    """Runs both jobs within `budget` seconds, on the model when `model`; prints and returns every
+    verdict."""
+    if model:
+        os.environ.update(target.model_env())  # this process's own NCCL version, and the ranks'
     deadline = time.monotonic() + budget
     nproc, why, versions = choose_ranks()
     print(why, flush=True)
@@ -201,12 +208,13 @@ def run_all(out: Path, budget: float) -> dict[str, Any]:
     end_job = launch(nproc, ["watchdog_end"], out / f"end_{nproc}rank", end_limit, {**multi(nproc), ENV_HANDLING: None})
     checks["watchdog_end"] = {**end_verdict(end_job), "seconds": round(time.monotonic() - start, 1)}
 
-    print(f"--- two-process checks on {nproc} rank(s): {why}", flush=True)
+    where = "the model" if target.on_model() else "the GPU"
+    print(f"--- two-process checks on {where}, {nproc} rank(s): {why}", flush=True)
     for name, v in checks.items():
         print(f"{'PASS' if v['ok'] else 'FAIL'} two_process.{name} ({v['seconds']:.1f} s)", flush=True)
         for line in v.get("details", [v.get("detail", "")]):
             print(f"    {line}", flush=True)
-    summary = {"ranks": nproc, "why": why, "nccl": versions,
+    summary = {"target": target.name(), "ranks": nproc, "why": why, "nccl": versions,
                "checks": {k: {kk: vv for kk, vv in v.items() if kk != "details"} for k, v in checks.items()}}
     (out / "two_process.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
@@ -216,9 +224,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--budget", type=float, default=170.0, help="seconds for both jobs")
+    parser.add_argument("--model", action="store_true", help="on the model under tests/fakes/ (the dry run)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _end_running_job)
-    summary = run_all(Path(args.out), args.budget)
+    summary = run_all(Path(args.out), args.budget, model=args.model)
     failed = [k for k, v in summary["checks"].items() if not v["ok"]]
     print(f"{len(summary['checks']) - len(failed)} passed, {len(failed)} failed", flush=True)
     return 1 if failed else 0

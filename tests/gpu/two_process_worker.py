@@ -30,10 +30,11 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the source tree, when not installed
 import megatron_p2p as mp  # noqa: E402
+import target  # noqa: E402
 
-DEVICE = "cuda"
+T = target.make()  # a GPU, or the model (the dry run)
 WATCHDOG_TIMEOUT_S = 3.0
-STALL_CYCLES = 12_000_000_000  # a GPU sleep of at least 6 s at 2 GHz: longer than the watchdog's timeout
+STALL_S = 2 * WATCHDOG_TIMEOUT_S  # a stream sleep longer than the watchdog's timeout
 MICROBATCHES = 4
 SIZES = [0, 1, 8, 4097, 1 << 20, 64 << 20]  # bytes
 DTYPES = ["float32", "bfloat16", "uint8", "int64", "bool", "float8_e5m2"]
@@ -43,14 +44,27 @@ DTYPES = ["float32", "bfloat16", "uint8", "int64", "bool", "float8_e5m2"]
 
 def pattern(nbytes: int, dtype: torch.dtype, *key: Any) -> torch.Tensor:
     """Bytes that depend only on `key`, so a receiver can rebuild what its peer sent."""
-    gen = torch.Generator(device=DEVICE)
+    gen = torch.Generator(device=T.torch_device)
     gen.manual_seed(zlib.crc32(repr(key).encode()))
     size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (nbytes // size * size,), dtype=torch.uint8, device=DEVICE, generator=gen)
-    return (raw & 1).bool() if dtype == torch.bool else raw.view(dtype)
+    raw = torch.randint(0, 256, (nbytes // size * size,), dtype=torch.uint8, device=T.torch_device, generator=gen)
+    return T.own((raw & 1).bool() if dtype == torch.bool else raw.view(dtype))
+
+
+def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return T.own(torch.zeros(*shape, dtype=dtype, device=T.torch_device))
+
+
+def full(numel: int, value: float) -> torch.Tensor:
+    return T.own(torch.full((numel,), value, device=T.torch_device))
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    return T.own(torch.empty_like(t))
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    T.settle()  # what the device wrote, before the host reads it
     return a.numel() == b.numel() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -87,7 +101,7 @@ def stall_or_skip(comm: mp.Communicator, x: torch.Tensor, y: torch.Tensor) -> An
     if silent(comm):
         return None
     if comm.size == 1:
-        torch.cuda._sleep(STALL_CYCLES)
+        T.sleep(STALL_S)
     return comm.exchange(send_next=x, recv_prev=y, call="stalled")
 
 
@@ -119,7 +133,7 @@ class OneFOneB:
         self.numel = numel
 
         def buffers(needed: bool) -> list[torch.Tensor]:
-            return [torch.zeros(numel, device=DEVICE) for _ in range(MICROBATCHES)] if needed else []
+            return [zeros(numel) for _ in range(MICROBATCHES)] if needed else []
 
         self.act_out, self.grad_in = buffers(self.first), buffers(self.first)
         self.act_in, self.grad_out = buffers(self.last), buffers(self.last)
@@ -129,12 +143,14 @@ class OneFOneB:
 
     def load(self, run: int) -> None:
         """Writes run `run`'s values into the send buffers, as a training step's compute would."""
+        T.settle()  # after the device's last reads of them
         for m in range(MICROBATCHES):
             for kind, bufs in (("act", self.act_out), ("grad", self.grad_out)):
                 if bufs:
                     bufs[m].copy_(self._input(kind, run, m, self.comm.rank))
 
     def received(self) -> torch.Tensor:
+        T.settle()
         return torch.cat([t.view(torch.uint8) for t in self.act_in + self.grad_in])
 
     def expected(self, run: int) -> torch.Tensor:
@@ -166,10 +182,10 @@ class OneFOneB:
 def part_setup() -> dict:
     """The communicators come up and move four floats: without this nothing else can run."""
     comm = communicator(timeout=15.0)
-    sent = torch.full((4,), float(comm.rank + 1), device=DEVICE)
-    got = torch.zeros(4, device=DEVICE)
+    sent = full(4, float(comm.rank + 1))
+    got = zeros(4)
     settle(comm.exchange(send_next=sent, recv_prev=got), timeout=15.0)  # short: a failure here falls back to one rank
-    assert torch.equal(got, torch.full((4,), float(comm.prev_rank + 1), device=DEVICE)), got
+    assert same_bytes(got, full(4, float(comm.prev_rank + 1))), got
     size = comm.size
     comm.close()
     return {"detail": f"{size} rank(s) on cuda:{torch.cuda.current_device()}", "ranks": size}
@@ -187,7 +203,7 @@ def part_exact_bytes() -> dict:
                     key = (lanes, mode, name, nbytes)
                     act = pattern(nbytes, dtype, "act", *key, comm.rank)
                     grad = pattern(nbytes, dtype, "grad", *key, comm.rank)
-                    act_in, grad_in = torch.empty_like(act), torch.empty_like(grad)
+                    act_in, grad_in = empty_like(act), empty_like(grad)
                     settle(comm.exchange(send_next=act, recv_prev=act_in, send_prev=grad, recv_next=grad_in, mode=mode))
                     count += 1
                     if not same_bytes(act_in, pattern(nbytes, dtype, "act", *key, comm.prev_rank)):
@@ -195,7 +211,7 @@ def part_exact_bytes() -> dict:
                     if not same_bytes(grad_in, pattern(nbytes, dtype, "grad", *key, comm.next_rank)):
                         bad.append(("gradients", *key))
         comm.close()
-        torch.cuda.empty_cache()
+        T.empty_cache()
     assert not bad, f"{len(bad)} transfers differ, first: {bad[:5]}"
     return {"detail": f"{count} four-op exchanges, lanes 2 and 1, both modes, {len(DTYPES)} dtypes, "
                       f"{SIZES[0]}..{SIZES[-1]} bytes: all exact", "exchanges": count}
@@ -222,14 +238,13 @@ def part_one_f_one_b() -> dict:
 
 def _median_exchange_seconds(comm: mp.Communicator, x: torch.Tensor, y: torch.Tensor, iters: int) -> float:
     """Host and device time of one exchange: post, wait, synchronize."""
-    stream = torch.cuda.current_stream()
     times = []
     for i in range(20 + iters):
         start = time.perf_counter()
         reqs = comm.exchange(send_next=x, recv_prev=y, mode="batched")
         for r in reqs.values():
             r.wait()
-        stream.synchronize()
+        T.synchronize()
         if i >= 20:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -244,7 +259,7 @@ def part_debug_matching() -> dict:
     finally:
         del os.environ["MEGATRON_P2P_CHECK"]
     x = pattern(64 << 10, torch.uint8, "check", plain.rank)
-    y = torch.empty_like(x)
+    y = empty_like(x)
     unchecked_s = _median_exchange_seconds(plain, x, y, 200)
     y.zero_()
     checked_s = _median_exchange_seconds(checked, x, y, 200)
@@ -252,8 +267,8 @@ def part_debug_matching() -> dict:
     plain.close()
 
     # A shape disagreement: the receiver raises MismatchError naming both ranks; the sender hears of it.
-    sent = torch.arange(1000.0, device=DEVICE).reshape(10, 100)
-    into = torch.zeros(100, 10, device=DEVICE)
+    sent = T.own(torch.arange(1000.0, device=T.torch_device).reshape(10, 100))
+    into = zeros(100, 10)
     receiver = checked.size == 1 or checked.rank == 1
     ops = {}
     if checked.size == 1 or checked.rank == 0:
@@ -299,8 +314,7 @@ def part_cuda_graph(replays: int = 100) -> dict:
         eager.append(pipe.received())
     wrong_eager = [run for run in range(replays) if not same_bytes(eager[run], pipe.expected(run))]
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with T.capture() as graph:
         reqs = pipe.step(mode)
         for r in reqs:
             r.wait()  # joins each lane back into the capturing stream
@@ -312,12 +326,12 @@ def part_cuda_graph(replays: int = 100) -> dict:
         graph.replay()
         if not same_bytes(pipe.received(), eager[run]):
             differ.append(run)
-    torch.cuda.synchronize()
+    T.synchronize()
     pipe.load(replays)
     after, _ = raised(lambda: settle(pipe.step(mode)))
     after_exact = after is None and same_bytes(pipe.received(), pipe.expected(replays))
-    del graph
-    torch.cuda.synchronize()
+    graph.destroy()
+    T.synchronize()
     comm.close()
 
     assert isinstance(refused_sync, mp.P2PError), f"synchronize() on a captured request: {refused_sync!r}"
@@ -332,7 +346,7 @@ def part_cuda_graph(replays: int = 100) -> dict:
 
 def part_capture_after_wait() -> dict:
     """Eager 1F1B steps waited on the stream only (Request.wait(), as megatron-core does; no
-    synchronize() on any request), then torch.cuda.synchronize(), then the same steps captured
+    synchronize() on any request), then T.synchronize(), then the same steps captured
     in the global capture mode (torch.cuda.graph's default) and replayed 3 times, the bytes of
     every run checked: nothing the package does after stream-only waits may break the capture."""
     comm = communicator(timeout=60.0)
@@ -344,10 +358,9 @@ def part_capture_after_wait() -> dict:
             for r in pipe.step(mode):
                 r.wait()  # stream order only: the host never waits on these requests
             eager.append((run, mode, pipe.received()))  # copies, queued behind the waits
-    torch.cuda.synchronize()
+    T.synchronize()
     wrong += [(run, mode, "eager") for run, mode, got in eager if not same_bytes(got, pipes[mode].expected(run))]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # capture_error_mode "global", torch's default
+    with T.capture() as graph:  # capture_error_mode "global", torch's default
         for mode, pipe in pipes.items():
             for r in pipe.step(mode):
                 r.wait()
@@ -356,14 +369,14 @@ def part_capture_after_wait() -> dict:
         for pipe in pipes.values():
             pipe.load(run)
         graph.replay()
-        torch.cuda.synchronize()
+        T.synchronize()
         wrong += [(run, mode, "replay") for mode, pipe in pipes.items()
                   if not same_bytes(pipe.received(), pipe.expected(run))]
-    del graph
-    torch.cuda.synchronize()
+    graph.destroy()
+    T.synchronize()
     comm.close()
     assert not wrong, f"runs that delivered wrong bytes (run, mode, how): {wrong}"
-    return {"detail": f"4 eager 1F1B steps per mode waited with Request.wait() only, torch.cuda.synchronize(), then "
+    return {"detail": f"4 eager 1F1B steps per mode waited with Request.wait() only, a device synchronize, then "
                       f"both steps captured (global mode) and replayed {replays} times: every run exact",
             "replays": replays}
 
@@ -399,18 +412,17 @@ def part_graph_abort() -> dict:
     pipe = OneFOneB(comm, 1 << 12)
     pipe.load(0)
     settle(pipe.step("batched"))  # connections up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    T.synchronize()
+    with T.capture() as graph:
         for r in pipe.step("batched"):
             r.wait()
     pipe.load(1)
     graph.replay()
-    torch.cuda.synchronize()
+    T.synchronize()
     replay_exact = same_bytes(pipe.received(), pipe.expected(1))
     # A barrier (an eager exchange completes only once the peer posts it, after its replay), so
     # that no rank's abort reaches a peer whose replay is still running.
-    x, y = torch.ones(4, device=DEVICE), torch.zeros(4, device=DEVICE)
+    x, y = full(4, 1.0), zeros(4)
     settle(comm.exchange(send_next=x, recv_prev=y), timeout=20.0)
     times: dict[str, Any] = {}
     problems = []
@@ -430,12 +442,9 @@ def part_graph_abort() -> dict:
         if seconds > GRAPH_ABORT_WITHIN_S:
             problems.append(f"comm.{what}() took {seconds:.3f} s (limit {GRAPH_ABORT_WITHIN_S} s)")
     else:
-        holder = [graph]
-        del graph
-
         def delete() -> None:
-            holder.clear()  # the last reference: the graph is destroyed here
-            torch.cuda.synchronize()
+            graph.destroy()
+            T.synchronize()
 
         returned, seconds, exc = _bounded(delete, GRAPH_ABORT_JOIN_S)
         times["delete_graph_s"] = round(seconds, 3)
@@ -457,7 +466,7 @@ def part_watchdog_raise() -> dict:
     call raises the watchdog's report, and its stream runs again."""
     me = int(os.environ["RANK"])
     comm = communicator(timeout=WATCHDOG_TIMEOUT_S if me == 0 else 60.0)
-    x, y = torch.ones(16 << 10, device=DEVICE), torch.zeros(16 << 10, device=DEVICE)
+    x, y = full(16 << 10, 1.0), zeros(16 << 10)
     settle(comm.exchange(send_next=x, recv_prev=y), timeout=20.0)  # connections up on both ranks
     if silent(comm):
         time.sleep(WATCHDOG_TIMEOUT_S + 3.0)
@@ -482,12 +491,10 @@ def part_watchdog_raise() -> dict:
     raised_after = time.monotonic() - posted
     fired_after = None if WATCHDOG_LOG.first_at is None else WATCHDOG_LOG.first_at - posted
 
-    resume = torch.cuda.Event()
-    resume.record()
     until = time.monotonic() + 20.0
-    while not resume.query() and time.monotonic() < until:
+    while not T.stream_idle() and time.monotonic() < until:
         time.sleep(0.01)
-    resumed_after = time.monotonic() - posted if resume.query() else None
+    resumed_after = time.monotonic() - posted if T.stream_idle() else None
     comm.close()
 
     assert host_free < 1.0, f"posting and wait() held the host for {host_free:.2f} s"
@@ -506,7 +513,7 @@ def part_watchdog_end() -> dict:
     never returns there. The launcher checks torchrun's status and the time from the post."""
     me = int(os.environ["RANK"])
     comm = communicator(timeout=WATCHDOG_TIMEOUT_S if me == 0 else 60.0)
-    x, y = torch.ones(16 << 10, device=DEVICE), torch.zeros(16 << 10, device=DEVICE)
+    x, y = full(16 << 10, 1.0), zeros(16 << 10)
     settle(comm.exchange(send_next=x, recv_prev=y), timeout=20.0)
     print(f"STALL_POSTED rank={me} {time.time():.3f}", flush=True)
     reqs = stall_or_skip(comm, x, y)
@@ -539,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks before a kill
     logging.getLogger("megatron_p2p.watchdog").addHandler(WATCHDOG_LOG)
-    torch.cuda.set_device(0)  # every rank on the one GPU
+    T.install()
     results: dict[str, dict] = {}
     for name in args.parts.split(","):
         start = time.monotonic()
