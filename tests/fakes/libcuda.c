@@ -724,10 +724,10 @@ CUresult mpfake_stream_enqueue(CUcontext ctx, CUstream stream, void (*fn)(void *
     return mpfake_stream_enqueue_owned(ctx, stream, fn, arg, NULL);
 }
 
-/* A kernel that only spins for `ms` on `stream`, as torch.cuda._sleep launches one: device work
- * that holds the stream without NCCL, run in stream order like any kernel (doc: cuLaunchKernel).
- * The device checks' dry run stalls a stream with it. */
-static void spin_ms(void *arg)
+/* A kernel that holds `stream` for `ms` and does nothing else, as torch.cuda._sleep's spinning
+ * kernel does: device work without NCCL, run in stream order like any kernel (doc:
+ * cuLaunchKernel). The device checks' dry run stalls a stream with it. */
+static void hold_ms(void *arg)
 {
     unsigned long ms = (unsigned long)(uintptr_t)arg;
     struct timespec t = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -741,7 +741,7 @@ CUresult mpfake_cuda_sleep(CUstream stream, unsigned int ms)
     CUresult r = need_context(&c);
     if (r != CUDA_SUCCESS)
         return r;
-    return mpfake_stream_enqueue((CUcontext)c, stream, spin_ms, (void *)(uintptr_t)ms);
+    return mpfake_stream_enqueue((CUcontext)c, stream, hold_ms, (void *)(uintptr_t)ms);
 }
 
 /* ---- stream capture and graphs ---------------------------------------------------------------

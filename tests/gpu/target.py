@@ -5,8 +5,8 @@ libraries differ.
 
 On the model, tensors are CPU memory that says it lives on cuda:0 (see
 tests/workers/nccl_model_cuda.py) and host code reads them at once, so every read of device
-data goes through `settle()`, which waits for the current stream; on a GPU torch orders such
-reads on the stream itself and `settle()` does nothing.
+data goes through `wait_stream()`, where the host waits for the current stream; on a GPU torch
+orders such reads on the stream itself and `wait_stream()` does nothing.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class _Gpu:
     def own(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def settle(self) -> None:
+    def wait_stream(self) -> None:
         pass
 
     def synchronize(self) -> None:
@@ -113,11 +113,11 @@ class _Model:
     def own(self, t: torch.Tensor) -> torch.Tensor:
         return self._fake.on_device(t)
 
-    def settle(self) -> None:
+    def wait_stream(self) -> None:
         assert self.driver.cuStreamSynchronize(self._stream()) == 0
 
     def synchronize(self) -> None:
-        self.settle()
+        self.wait_stream()
 
     def stream_idle(self) -> bool:
         return self.driver.cuStreamQuery(self._stream()) == 0

@@ -2,6 +2,8 @@
 NCCL allows it, else one rank exchanging with itself (the self-loop). It runs the named parts
 in order, prints one PASS/FAIL line per part with its time, and writes every rank's results
 to <out>/rank<R>.json after each part, so a job killed at its limit still says how far it got.
+It touches the device only through target.py, so it runs on the model of libcuda and libnccl
+as well (MP_GPU_TARGET=model, the dry run).
 
     torchrun --standalone --nproc-per-node 2 tests/gpu/two_process_worker.py --parts setup,exact_bytes --out DIR
 
@@ -64,7 +66,7 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    T.settle()  # what the device wrote, before the host reads it
+    T.wait_stream()  # what the device wrote, before the host reads it
     return a.numel() == b.numel() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -143,14 +145,14 @@ class OneFOneB:
 
     def load(self, run: int) -> None:
         """Writes run `run`'s values into the send buffers, as a training step's compute would."""
-        T.settle()  # after the device's last reads of them
+        T.wait_stream()  # after the device's last reads of them
         for m in range(MICROBATCHES):
             for kind, bufs in (("act", self.act_out), ("grad", self.grad_out)):
                 if bufs:
                     bufs[m].copy_(self._input(kind, run, m, self.comm.rank))
 
     def received(self) -> torch.Tensor:
-        T.settle()
+        T.wait_stream()
         return torch.cat([t.view(torch.uint8) for t in self.act_in + self.grad_in])
 
     def expected(self, run: int) -> torch.Tensor:
