@@ -8,7 +8,7 @@ EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*/*.c csrc/*/*.h) setup.py
 TEST_JOBS ?=
 
-.PHONY: all build fakes demo test test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
+.PHONY: all build fakes gpu-site demo test test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
 
 all: build
 
@@ -65,6 +65,14 @@ NCCL_MODEL := tests/fakes/libnccl.c tests/fakes/nccl_kernels.c tests/fakes/nccl_
 build/fakes/libnccl.so.2: $(NCCL_MODEL) tests/fakes/nccl_model.h tests/fakes/mpfake.h build/fakes/libcuda.so.1
 	$(CC) $(FAKE_CFLAGS) -fvisibility=hidden -Wl,-soname,libnccl.so.2 -o $@.tmp $(NCCL_MODEL) -Lbuild/fakes -l:libcuda.so.1 \
 		'-Wl,-rpath,$$ORIGIN' -lrt && mv $@.tmp $@
+
+# What tests/gpu/run_device_checks.sh takes beside the tree to a GPU machine, which reaches no
+# package index: megatron-core (pure Python) for the schedule checks. Carry build/gpu-site with
+# build/nccl (tests/gpu/build_nccl.sh) and build/device-dry-run (the dry run `make test` leaves).
+gpu-site: $(DEPS)
+	rm -rf build/gpu-site
+	$(PY) -m pip install --quiet --no-deps --ignore-requires-python --target build/gpu-site megatron-core==0.19.2 packaging
+	find build/gpu-site -name __pycache__ -prune -exec rm -rf {} +
 
 demo: build
 	$(TORCHRUN) --standalone --nproc-per-node 4 -m megatron_p2p.demo

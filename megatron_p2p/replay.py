@@ -125,21 +125,27 @@ class _Rank:
                         out.append(exc)
         return out
 
+    def _wait(self, request: Any) -> None:
+        """The program's wait: the rank posts nothing until the op is done. On NCCL, wait() only
+        orders the current stream, so the host waits too (synchronize(), where the stall
+        analysis names a deadlock instead of the device hanging)."""
+        request.wait()
+        if self.device.type == "cuda":
+            request.synchronize()
+
     def run(self) -> None:
         for i in range(self.program.num_calls(self.me)):
             call = self.program.call(self.me, i)
             for a in call.awaits:  # a whole earlier call, or (call, slot or op index)
                 for r in (self.reqs[a].values() if isinstance(a, int) else [self.reqs[a[0]][a[1]]]):
-                    r.wait()
+                    self._wait(r)
             self.reqs.append(self._post(call))
             if call.wait:
                 for r in self.reqs[-1].values():
-                    r.wait()
+                    self._wait(r)
         for reqs in self.reqs:
             for r in reqs.values():
-                r.wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+                self._wait(r)
         for _, buf, expected, what in self.checks:
             got = buf.view(torch.uint8).cpu()
             if not torch.equal(got, expected):

@@ -15,7 +15,7 @@ def summary(tmp_path_factory) -> dict:
     return two_process_checks.run_all(tmp_path_factory.mktemp("two_process"), budget=170.0)
 
 
-@pytest.mark.parametrize("check", two_process_checks.MAIN_PARTS + ["watchdog_end"])
+@pytest.mark.parametrize("check", two_process_checks.MAIN_PARTS + two_process_checks.FAULT_PARTS[1:] + ["watchdog_end"])
 def test_two_process(summary, check):
     result = summary["checks"][check]
     assert result["ok"], json_text(result)

@@ -580,7 +580,8 @@ def section_legacy(ctx):
 # ---- real schedules -------------------------------------------------------------------------
 
 
-def make_stage(torch, cfg, hidden, seed, first, last):
+def make_stage(torch, cfg, hidden, seed, first, last, device="cpu"):
+    """One pipeline chunk, initialised on the CPU (the same values on any device), then moved to `device`."""
     class Stage(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -599,14 +600,15 @@ def make_stage(torch, cfg, hidden, seed, first, last):
         def forward(self, x):
             return self.linear(torch.tanh(x))
 
-    return Stage()
+    return Stage().to(device)
 
 
-def batches(torch, hidden, micro, variable, seed=7):
+def batches(torch, hidden, micro, variable, seed=7, device="cpu"):
+    """Drawn on the CPU (the same values on any device), then moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
     for m in range(micro * 2):
         seq = 2 + (m % 3 if variable else 1)
-        yield torch.randn(seq, 2, hidden, generator=gen)
+        yield torch.randn(seq, 2, hidden, generator=gen).to(device)
 
 
 def loss_func(out):
@@ -617,16 +619,17 @@ def loss_func(out):
 def reference_run(ctx, pp_ranks, vpp, variable):
     """The same model and microbatches in one process, no pipeline: every chunk in order,
     the loss scaled by 1 / microbatches as megatron-core's schedules do, backward per
-    microbatch. Returns the losses and this rank's chunks' gradients."""
+    microbatch. Returns the losses and this rank's chunks' gradients. On ctx["device"] (default
+    the CPU), as the pipeline runs, so that equal results are meaningful."""
     torch = ctx["torch"]
-    rank = ctx["rank"]
+    rank, device = ctx["rank"], ctx.get("device", "cpu")
     stage, stages = pp_ranks.index(rank), len(pp_ranks)
     chunks, micro = vpp or 1, ctx["microbatches"]
     total = chunks * stages
     cfg = object()
-    models = [make_stage(torch, cfg, ctx["hidden"], 1000 + v, v == 0, v == total - 1) for v in range(total)]
+    models = [make_stage(torch, cfg, ctx["hidden"], 1000 + v, v == 0, v == total - 1, device) for v in range(total)]
     losses = []
-    for x in list(batches(torch, ctx["hidden"], micro, variable))[:micro]:
+    for x in list(batches(torch, ctx["hidden"], micro, variable, device=device))[:micro]:
         for m in models:
             x = m(x)
         loss, reduced = loss_func(x)
@@ -641,13 +644,14 @@ def run_schedule(ctx, kind, pp_ranks, vpp, batch, variable, overlap, how):
     """One forward-backward pass of megatron-core's schedule; returns losses and gradients.
     how: "stock" (megatron-core's P2PCommunicator passed in), "swapped" (ours passed in as
     p2p_communicator= with pg_collection=), "patched" (neither passed: megatron-core builds
-    the communicator from parallel_state, under patch_megatron())."""
+    the communicator from parallel_state, under patch_megatron()). Models and data on
+    ctx["device"] (default the CPU)."""
     torch, mp = ctx["torch"], ctx["mp"]
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    rank = ctx["rank"]
+    rank, device = ctx["rank"], ctx.get("device", "cpu")
     pp_group = ctx["groups"][tuple(pp_ranks)]
     stage, stages = pp_ranks.index(rank), len(pp_ranks)
     hidden, micro = ctx["hidden"], ctx["microbatches"]
@@ -660,7 +664,7 @@ def run_schedule(ctx, kind, pp_ranks, vpp, batch, variable, overlap, how):
     for c in range(chunks):
         virtual = c * stages + stage  # position in the whole pipeline
         total = chunks * stages
-        model = make_stage(torch, cfg, hidden, 1000 + virtual, virtual == 0, virtual == total - 1)
+        model = make_stage(torch, cfg, hidden, 1000 + virtual, virtual == 0, virtual == total - 1, device)
         model.model_type = ModelType.encoder_or_decoder
         models.append(model)
 
@@ -670,7 +674,7 @@ def run_schedule(ctx, kind, pp_ranks, vpp, batch, variable, overlap, how):
 
         return y, loss_func
 
-    iters = [batches(torch, hidden, micro, variable) for _ in range(chunks)]
+    iters = [batches(torch, hidden, micro, variable, device=device) for _ in range(chunks)]
     kwargs = {}
     if how != "patched":
         kwargs["pg_collection"] = ProcessGroupCollection(tp=ctx["self_group"], cp=ctx["self_group"])

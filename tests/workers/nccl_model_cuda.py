@@ -59,6 +59,7 @@ def install() -> None:
     torch.cuda.device_count = lambda: 1
     torch.cuda.current_device = lambda: 0
     torch.cuda.device = _device  # type: ignore[assignment]
+    torch.cuda.set_device = lambda device: None  # the one device is always current
     torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None
 

@@ -32,15 +32,17 @@ ROWS = 2  # rows per microbatch
 CALLS = {"ZBVZeroBubble": ("step", "step"), "DualPipeV": ("step", "step")}
 
 
-def build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer=False, uniform=False):
-    """The schedule for this rank over the current default group, and its stages. uniform: every
-    width equal, stage 0's second output too (so a misdelivered message fits its buffer)."""
+def build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer=False, uniform=False, device="cpu",
+          group=None):
+    """The schedule for this rank over `group` (None: the default group), and its stages on
+    `device` (initialised on the CPU, so the same values on any device). uniform: every width
+    equal, stage 0's second output too (so a misdelivered message fits its buffer)."""
     import torch.distributed as dist
 
     widths = [WIDTH_ALL] * len(WIDTH_LIST) if uniform else WIDTH_LIST
     side_w = WIDTH_ALL if uniform else SIDE_WIDTH
 
-    world, me = dist.get_world_size(), dist.get_rank()
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     n_stages = world * spr
     v = cls_name in ("ZBVZeroBubble", "DualPipeV")
     local = [me, 2 * world - 1 - me] if v else [me + k * world for k in range(spr)]
@@ -63,20 +65,21 @@ def build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer=F
 
     def examples(s):
         if s == 0:
-            inputs = (torch.empty(ROWS, widths[0]),)
+            inputs = (torch.empty(ROWS, widths[0], device=device),)
         elif s == 1:
-            first = torch.empty(ROWS, widths[1]).t() if transposed else torch.empty(ROWS, widths[1])
-            inputs = (first.requires_grad_(True), torch.empty(ROWS, side_w))
+            first = torch.empty(ROWS, widths[1], device=device)
+            first = first.t() if transposed else first
+            inputs = (first.requires_grad_(True), torch.empty(ROWS, side_w, device=device))
         else:
-            inputs = (torch.empty(ROWS, widths[s], requires_grad=True),)
-        outputs = Stage(s)(*inputs)  # with autograd: requires_grad is part of the metadata
+            inputs = (torch.empty(ROWS, widths[s], requires_grad=True, device=device),)
+        outputs = Stage(s).to(device)(*inputs)  # with autograd: requires_grad is part of the metadata
         return {"input_args": inputs, "output_args": outputs}
 
     stages = []
     for s in local:
         torch.manual_seed(1000 + s)
-        mod = Stage(s)
-        stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"),
+        mod = Stage(s).to(device)
+        stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device(device), group=group,
                                                **(examples(s) if given else {})))
     loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
     cls = getattr(pipelining, "Schedule" + cls_name)
@@ -88,14 +91,16 @@ def build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer=F
     return sched, stages, n_stages
 
 
-def run_once(torch, nn, pipelining, cfg, seed, transposed=False, defer=False, uniform=False):
-    """step, eval, step: the losses, eval outputs and gradients this rank holds."""
+def run_once(torch, nn, pipelining, cfg, seed, transposed=False, defer=False, uniform=False, device="cpu", group=None):
+    """step, eval, step: the losses, eval outputs and gradients this rank holds (on `device`;
+    the stages over `group`, None: the default group)."""
     cls_name, spr, n_mb, given = cfg
-    sched, stages, n_stages = build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer, uniform)
+    sched, stages, n_stages = build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer, uniform,
+                                    device, group)
     widths = [WIDTH_ALL] * len(WIDTH_LIST) if uniform else WIDTH_LIST
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n_mb * ROWS, widths[0], generator=g)
-    y = torch.randn(n_mb * ROWS, widths[n_stages], generator=g)
+    x = torch.randn(n_mb * ROWS, widths[0], generator=g).to(device)
+    y = torch.randn(n_mb * ROWS, widths[n_stages], generator=g).to(device)
     has_first = any(st.is_first for st in stages)
     has_last = any(st.is_last for st in stages)
     args = (x,) if has_first else ()
@@ -120,7 +125,8 @@ def run_once(torch, nn, pipelining, cfg, seed, transposed=False, defer=False, un
 def same_bits(a, b):
     keys = ("losses", "eval", "grads")
     return {k: len(a[k]) == len(b[k]) and all(
-        x.dtype == y.dtype and x.shape == y.shape and x.contiguous().numpy().tobytes() == y.contiguous().numpy().tobytes()
+        x.dtype == y.dtype and x.shape == y.shape and
+        x.cpu().contiguous().numpy().tobytes() == y.cpu().contiguous().numpy().tobytes()
         for x, y in zip(a[k], b[k])) for k in keys} | {f"n_{k}": len(a[k]) for k in keys}
 
 

@@ -1,11 +1,13 @@
-"""One GPU, one rank, sending to itself: megatron_p2p's NCCL backend against torch.distributed's
-NCCL batch_isend_irecv, in the same run. Bandwidth from 1 MiB to 1 GiB (bytes / time), and per
-exchange of 1 KiB to 1 MiB: the host time to post and wait (median), and the GPU's time (CUDA
-events around exchanges queued behind a GPU sleep, so the host's pace does not count). Last,
-the host's time to post a four-op exchange on both lanes (parity and batched mode, against
-batch_isend_irecv of the same ops), in wall and thread CPU time. Ratios are megatron_p2p / torch.
+"""One GPU, megatron_p2p's NCCL backend against torch.distributed's NCCL batch_isend_irecv over the
+same libnccl, in the same run: one rank sending to itself, or two ranks on the GPU (NCCL 2.30's
+NCCL_MULTI_RANK_GPU_ENABLE=1), each exchanging with the other. Bandwidth from 1 MiB to 1 GiB
+(bytes / time), and per exchange of 1 KiB to 1 MiB: the host time to post and wait (median),
+and the GPU's time (CUDA events around exchanges queued behind a GPU sleep, so the host's pace
+does not count). Last, the host's time to post a four-op exchange on both lanes (parity and
+batched mode, against batch_isend_irecv of the same ops), in wall and thread CPU time. Ratios
+are megatron_p2p / torch. With two ranks, rank 0 writes the results (the device script shows rank 0's output only).
 
-    torchrun --standalone --nproc-per-node 1 benchmarks/gpu_selfloop.py [--out results.json]
+    torchrun --standalone --nproc-per-node 1|2 benchmarks/gpu_exchange.py [--out results.json]
 """
 from __future__ import annotations
 
@@ -27,12 +29,23 @@ SMALL_SIZES = [1 << 10, 64 << 10, 1 << 20]
 AHEAD_CYCLES = 400_000_000  # a GPU sleep of 0.2 s or more: the host queues all 100 exchanges before the first runs
 
 
+def peer() -> int:
+    """The rank this one exchanges with: itself, or the other of two."""
+    return (dist.get_rank() + 1) % dist.get_world_size()
+
+
+def payload(nbytes: int) -> torch.Tensor:
+    """The same bytes on every rank, so that a receive equals its own send buffer."""
+    gen = torch.Generator(device="cuda").manual_seed(nbytes)
+    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
+
+
 def mp_step(comm, src, dst):
     return list(comm.exchange(send_next=src, recv_prev=dst, mode="batched").values())
 
 
 def torch_step(src, dst):
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, src, 0), dist.P2POp(dist.irecv, dst, 0)])
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, src, peer()), dist.P2POp(dist.irecv, dst, peer())])
 
 
 def device_seconds(step, iters: int, ahead_cycles: int = 0) -> float:
@@ -81,7 +94,7 @@ def per_exchange(comm, torch_ok: bool) -> list[dict]:
           f"GPU us: {'megatron_p2p':>12} {'torch':>8} {'ratio':>6}", flush=True)
     rows = []
     for nbytes in SMALL_SIZES:
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+        src = payload(nbytes)
         dst = torch.empty_like(src)
         ours_step, theirs_step = (lambda: mp_step(comm, src, dst)), (lambda: torch_step(src, dst))
         row = {"bytes": nbytes,
@@ -106,7 +119,7 @@ POSTING_SYNC_EVERY = 50  # exchanges between untimed synchronizations, so the qu
 
 def posting_host_time(comm, torch_ok: bool, nbytes: int = 4096) -> list[dict]:
     """The host's cost to post one four-op exchange on both lanes (send_next, recv_prev,
-    send_prev, recv_next; prev == next == self): megatron_p2p's exchange in parity and batched
+    send_prev, recv_next; prev == next: itself, or the other rank): megatron_p2p's exchange in parity and batched
     mode against torch's batch_isend_irecv of the same four ops. Timed: the posting call alone,
     in wall time (perf_counter) and in the calling thread's CPU time (thread_time); each
     request's wait() follows untimed, and the device is synchronized every POSTING_SYNC_EVERY
@@ -119,8 +132,8 @@ def posting_host_time(comm, torch_ok: bool, nbytes: int = 4096) -> list[dict]:
     }
     if torch_ok:
         contenders["torch batch_isend_irecv"] = lambda: dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, t["send_next"], 0), dist.P2POp(dist.irecv, t["recv_prev"], 0),
-            dist.P2POp(dist.isend, t["send_prev"], 0), dist.P2POp(dist.irecv, t["recv_next"], 0)])
+            dist.P2POp(dist.isend, t["send_next"], peer()), dist.P2POp(dist.irecv, t["recv_prev"], peer()),
+            dist.P2POp(dist.isend, t["send_prev"], peer()), dist.P2POp(dist.irecv, t["recv_next"], peer())])
     print(f"host time to post one four-op exchange of {nbytes} B tensors (both lanes), {POSTING_ITERS} exchanges, "
           f"wait() untimed:", flush=True)
     print(f"{'contender':<26} | {'wall us median':>14} {'p90':>8} | {'thread CPU us median':>20} {'p90':>8}",
@@ -184,14 +197,16 @@ def main() -> None:
     except Exception as exc:  # torch may refuse a self send/recv
         torch_ok = False
         results["torch_error"] = str(exc)
-        print(f"torch.distributed refused the self send/recv: {exc}", flush=True)
+        print(f"torch.distributed refused the send/recv: {exc}", flush=True)
+    results["ranks"] = dist.get_world_size()
+    print(f"{dist.get_world_size()} rank(s) on the GPU", flush=True)
 
     print("ratios are megatron_p2p / torch: above 1 for bandwidth, or below 1 for time, favours megatron_p2p",
           flush=True)
     start = time.perf_counter()
     print(f"{'bytes':>12} {'megatron_p2p GB/s':>18} {'torch GB/s':>11} {'ratio':>6}", flush=True)
     for nbytes in SIZES:
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+        src = payload(nbytes)
         dst = torch.empty_like(src)
         iters = max(5, min(200, (4 << 30) // nbytes))
         ours = nbytes / device_seconds(lambda: mp_step(comm, src, dst), iters) / 1e9
@@ -208,7 +223,7 @@ def main() -> None:
     start = time.perf_counter()
     results["posting"] = posting_host_time(comm, torch_ok)
     print(f"posting: {time.perf_counter() - start:.1f} s", flush=True)
-    if args.out:
+    if args.out and dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=2))
     comm.close()
     dist.destroy_process_group()
