@@ -8,7 +8,7 @@ EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*/*.c csrc/*/*.h) setup.py
 TEST_JOBS ?=
 
-.PHONY: all build fakes gpu-site demo test test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
+.PHONY: all build fakes gpu-site demo test test-fast test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
 
 all: build
 
@@ -80,6 +80,11 @@ demo: build
 test: $(TESTING) fakes
 	$(PY) -m pytest -q $(TEST_JOBS)
 
+# The edit-test loop: every test that launches no torchrun job (tests/conftest.py marks those), in
+# under 2 minutes; run_job refuses to launch here, so a test the mark misses fails instead.
+test-fast: $(TESTING) fakes
+	MEGATRON_P2P_FAST_TESTS=1 $(PY) -m pytest -q -m "not torchrun" $(TEST_JOBS)
+
 # The timing-sensitive tests (tests/stress.py lists them), STRESS_ROUNDS times, beside one
 # CPU-bound process per core: a test that assumes a timing fails here before CI meets it.
 # Not part of `make test`; about 12 minutes a round on 2 cores.
@@ -125,6 +130,7 @@ ASAN_LIB = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name
 sanitize: $(DEPS) fakes
 	MEGATRON_P2P_SANITIZE=1 MEGATRON_P2P_TESTING=1 $(PY) setup.py --quiet build_ext --build-temp build/asan-temp --build-lib build/asan
 	cp megatron_p2p/*.py build/asan/megatron_p2p/
+	mkdir -p build/asan/megatron_p2p/verify && cp megatron_p2p/verify/*.py build/asan/megatron_p2p/verify/
 	cp -r megatron_p2p/programs build/asan/megatron_p2p/
 	# From build/asan, so that `python -m` (which puts the working directory first on the path)
 	# imports the instrumented copy; tests/test_build.py checks that it did.

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from timing import human_bytes, median, repetitions, say, slowest_rank, spread, timed_loop
 
 CONTENDERS = ("megatron_p2p", "megatron_p2p_arena", "gloo_isend_irecv", "gloo_batch_isend_irecv")

@@ -5,7 +5,8 @@ the harder baseline where there are two (the faster gloo call, the faster stock 
 takes the worst point of its range (by median); the goal's `spread` is that point's."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from timing import median, ranged, spread
 
@@ -16,8 +17,8 @@ OURS = ("megatron_p2p_parity", "megatron_p2p_batched")
 SMALL = 1024  # the latency goals cover 0 B to 1 KiB
 
 
-def _goal(name: str, ratio: Optional[float], op: str, target: float, detail: str, also: bool = True,
-          repeats: Optional[list[float]] = None) -> dict[str, Any]:
+def _goal(name: str, ratio: float | None, op: str, target: float, detail: str, also: bool = True,
+          repeats: list[float] | None = None) -> dict[str, Any]:
     """`op` is ">=" or "<=": how `ratio` must compare with `target`; `also` any further condition;
     `repeats` the per-repetition figures `ratio` is the median of. A ratio of None: not measured."""
     met = ratio is not None and (ratio >= target if op == ">=" else ratio <= target) and also
@@ -106,7 +107,7 @@ def overhead(repeats: list[dict]) -> dict:
                  "of CPU time to post (median [min-max] over repetitions)", repeats=ratios)
 
 
-def binding_layer_us(ov: dict) -> Optional[float]:
+def binding_layer_us(ov: dict) -> float | None:
     """One repetition's CPU microseconds per four-op exchange on the benchmark-only null
     transport, which completes every op at once (the binding layer alone); None when this
     build's overhead section does not report it."""

@@ -109,7 +109,7 @@ def per_exchange(comm, torch_ok: bool) -> list[dict]:
         print(f"{nbytes:>8} | host us: {row['megatron_p2p_host_us']:>12.1f} {row['torch_host_us']:>8.1f} "
               f"{row['host_ratio']:>6.2f} | GPU us: {row['megatron_p2p_gpu_us']:>12.1f} {row['torch_gpu_us']:>8.1f} "
               f"{row['gpu_ratio']:>6.2f}", flush=True)
-        del src, dst
+        src = dst = None  # freed before the next size's
     return rows
 
 
@@ -215,7 +215,7 @@ def main() -> None:
         results["bandwidth"].append({"bytes": nbytes, "megatron_p2p_GBps": ours, "torch_GBps": theirs,
                                      "ratio": ratio(ours, theirs)})
         print(f"{nbytes:>12} {ours:>18.1f} {theirs:>11.1f} {ratio(ours, theirs):>6.2f}", flush=True)
-        del src, dst
+        src = dst = None  # freed before the next size's
     print(f"bandwidth: {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
     results["per_exchange"] = per_exchange(comm, torch_ok)

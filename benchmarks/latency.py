@@ -3,11 +3,11 @@ package and through torch.distributed gloo (isend/irecv and batch_isend_irecv)."
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from timing import human_bytes, median, percentile, say
 
 ROUNDS = 4  # contenders take turns, so a burst of load on a shared machine hits them alike

@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
@@ -25,7 +25,7 @@ class JobResult:
     returncode: int
     seconds: float
     timed_out: bool
-    result: Optional[dict[str, Any]]  # what rank 0 wrote, None when it wrote nothing
+    result: dict[str, Any] | None  # what rank 0 wrote, None when it wrote nothing
     output: str
 
 

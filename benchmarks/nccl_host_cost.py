@@ -72,8 +72,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "build" / "fakes"
@@ -189,7 +190,7 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def run_child(budget: Budget, role: str, scenario: str, prefix: Sequence[str] = (),
-              extra: Optional[dict[str, str]] = None) -> dict:
+              extra: dict[str, str] | None = None) -> dict:
     cfg = SCENARIOS[scenario]
     env = {**cfg["env"], "MP_HOST_COST_ROUNDS": str(cfg["rounds"]), "MP_HOST_COST_SAMPLES": str(cfg["samples"]),
            **(extra or {})}
@@ -217,7 +218,7 @@ def count_strace(log: Path, pid: int) -> dict[str, dict[str, dict[str, int]]]:
     """Per mode: each traced call started inside the mode's marked window, by the calling thread
     (the process's main thread) and by the others."""
     windows: dict[str, dict[str, dict[str, int]]] = {}
-    current: Optional[str] = None
+    current: str | None = None
     marked: set[str] = set()
     for line in log.read_text(errors="replace").splitlines():
         m = LINE.match(line)
@@ -253,7 +254,7 @@ def run_strace(budget: Budget, scenario: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mp2p-host-cost-strace-") as tmp:
         log = Path(tmp) / "strace.log"
         trace = f"{STRACE_SET},access,faccessat,faccessat2"
-        last: Optional[Exception] = None
+        last: Exception | None = None
         for extra in (["--seccomp-bpf"], []):  # the filter spares untraced calls the stop; not everywhere allowed
             prefix = [strace, "-f", *extra, "-qq", "-ttt", "-o", str(log), "-e", f"trace={trace}"]
             try:
@@ -375,7 +376,7 @@ def per_mode_table(f: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def before_after_table(before: Optional[dict], after: dict, after_label: str) -> str:
+def before_after_table(before: dict | None, after: dict, after_label: str) -> str:
     """The figures as rows, `before`'s beside them (an empty column without it)."""
     lines = [f"| figure | {'before (' + before['commit'] + ')' if before else 'before'} | {after_label} |",
              "|---|---|---|"]

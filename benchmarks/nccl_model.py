@@ -31,9 +31,9 @@ nccl_model_cuda.install()
 os.environ.setdefault("MPFAKE_NCCL_GROUP_IN_PROGRESS_MS", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from timing import median  # noqa: E402
 
 import megatron_p2p as mp  # noqa: E402
-from timing import median  # noqa: E402
 
 ITERATIONS = 400
 WARMUP = 50

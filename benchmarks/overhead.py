@@ -12,14 +12,14 @@ about 0.6 us here, per batch), beside torch's batch_isend_irecv posting cost of 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from timing import human_bytes, median, say
 
 from megatron_p2p import _testing
-
-from timing import human_bytes, median, say
 
 CONTENDERS = ("megatron_p2p", "torch_isend_irecv", "torch_batch_isend_irecv")
 BINDING_BATCH = 200  # exchanges per CPU-time sample of the binding layer

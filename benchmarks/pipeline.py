@@ -13,12 +13,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import megatron_p2p as mp
+import stock
 import torch
 import torch.distributed as dist
-
-import stock
 from timing import human_bytes, median, say, timed_loop
+
+import megatron_p2p as mp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CONTENDERS = ("megatron_p2p_parity", "megatron_p2p_batched", "stock_gloo_batched", "stock_gloo_p2p_ops")

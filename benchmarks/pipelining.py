@@ -46,9 +46,9 @@ def _schedule(pipelining: Any, group: Any, pp: int, rank: int, n_mb: int) -> Any
 def run(comm: Any, group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """The worker's section: per round, seconds per step of each contender, on this group."""
     import torch.distributed.pipelining as pipelining
+    from timing import median, say, timed_loop
 
     import megatron_p2p as mp
-    from timing import median, say, timed_loop
 
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
     n_mb = 2 * pp

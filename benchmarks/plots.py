@@ -9,7 +9,6 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
-
 from tables import name  # noqa: E402
 from timing import human_bytes  # noqa: E402
 

@@ -98,7 +98,7 @@ def main() -> int:
     started = time.monotonic()
     report = {"schema": 2, "kind": "quick" if args.quick else "full", "repeats": args.repeats,
               "spread": "min-max over the repetitions",
-              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine.describe(), "jobs": [], "complete": False}
     jobs, run_limit = plan(args.quick, args.repeats)
     job_results = {}

@@ -10,14 +10,13 @@ Nothing else of megatron-core is changed."""
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
 @functools.lru_cache(maxsize=1)
-def _megatron() -> Optional[tuple]:
+def _megatron() -> tuple | None:
     try:
         from megatron.core.model_parallel_config import ModelParallelConfig
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator

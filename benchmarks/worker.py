@@ -23,14 +23,14 @@ import torch.distributed as dist
 # Run as a script: the sections sit beside this file, the package in the source tree above.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-import megatron_p2p as mp  # noqa: E402
-
 import bandwidth  # noqa: E402
 import latency  # noqa: E402
 import overhead  # noqa: E402
 import pipeline  # noqa: E402
 import pipelining  # noqa: E402
 import stock  # noqa: E402
+
+import megatron_p2p as mp  # noqa: E402
 
 
 def main() -> None:

@@ -54,8 +54,8 @@ from ._C import (
     Request,
 )
 from .communicator import init_communicator
-from .nccl import NcclVersion, nccl_version
 from .megatron_patch import patch_megatron, unpatch_megatron
+from .nccl import NcclVersion, nccl_version
 from .ops import (
     P2POp,
     batch_isend_irecv,
@@ -68,8 +68,8 @@ from .ops import (
     send,
     send_object_list,
 )
-from .pipelining_patch import patch_pipelining, unpatch_pipelining
 from .p2p_communication import P2PCommunicator
+from .pipelining_patch import patch_pipelining, unpatch_pipelining
 
 __all__ = [
     "BackendUnavailableError",

@@ -8,7 +8,6 @@ import logging
 import os
 import time
 import weakref
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ _STORE_PREFIX = "megatron_p2p"
 # Creation polls the store for the other ranks' keys, backing off to this period, so that Ctrl-C (any
 # Python signal handler) gets a turn while it waits. (A timed-out store.wait() logs a warning.)
 _STORE_POLL_MAX = 0.01
-_live: "weakref.WeakSet[_C.Communicator]" = weakref.WeakSet()
+_live: weakref.WeakSet[_C.Communicator] = weakref.WeakSet()
 _log = logging.getLogger(__name__)
 _told_no_single_copy = False
 
@@ -37,7 +36,7 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
 
 
-def _arena_bytes(given: Optional[int]) -> int:
+def _arena_bytes(given: int | None) -> int:
     """The arena size an shm communicator gets: `given`, else $MEGATRON_P2P_SHM_ARENA_BYTES, else
     the default; an error names where a wrong value came from."""
     source, value = "arena_bytes", given
@@ -52,7 +51,7 @@ def _arena_bytes(given: Optional[int]) -> int:
     return value
 
 
-def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, int, list[int]]:
+def _store_and_ranks(group: dist.ProcessGroup | None) -> tuple[dist.Store, int, list[int]]:
     """The store to bootstrap through, this process's global rank, and the group's global ranks."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, not {type(group).__name__}")
@@ -75,7 +74,7 @@ def _store_and_ranks(group: Optional[dist.ProcessGroup]) -> tuple[dist.Store, in
     return store, me, list(range(world))
 
 
-def _store_get(store: dist.Store, key: str, timeout: float, rank: int, rank0_pid: Optional[int]) -> bytes:
+def _store_get(store: dist.Store, key: str, timeout: float, rank: int, rank0_pid: int | None) -> bytes:
     """The value of `key` once its rank has set it. A store that is gone means its host died:
     rank 0's process, or torchrun's agent; either way the group cannot form."""
     deadline = time.monotonic() + timeout
@@ -103,15 +102,15 @@ def _env_rendezvous() -> tuple[dist.Store, int, int]:
 
 
 def init_communicator(
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
     backend: str = "shm",
     timeout: float = 300.0,
     *,
     lanes: int = 2,
     eager_threshold: int = 0,
-    device: "torch.device | str | int | None" = None,
+    device: torch.device | str | int | None = None,
     high_priority: bool = False,
-    arena_bytes: Optional[int] = None,
+    arena_bytes: int | None = None,
 ) -> _C.Communicator:
     """Creates a communicator over `group` (None: every rank). Collective: every member calls it.
 
@@ -234,7 +233,7 @@ class _CreationFailures:
         except dist.DistError:
             pass  # the store is gone too: the others learn of it themselves
 
-    def of_peers(self) -> Optional[str]:
+    def of_peers(self) -> str | None:
         """Polled while creation waits: why another member failed, or None."""
         try:
             if self._store.add(self._key, 0) == 0:

@@ -25,8 +25,8 @@ import argparse
 import copy
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ class Config:
     timeout: float
 
 
-def parse_args(argv: Optional[list[str]] = None) -> Config:
+def parse_args(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(
         prog="python -m megatron_p2p.demo",
         description="1F1B pipeline-parallel training over megatron_p2p, checked against a single-process run.",
@@ -147,8 +147,8 @@ class Stage:
 
     # Each transfer is one exchange. The first stage has no previous stage and the last none
     # after it, so those slots are simply left out (not sent around the ring).
-    def _exchange(self, send_next: Optional[torch.Tensor] = None, recv_prev: Optional[torch.Tensor] = None,
-                  send_prev: Optional[torch.Tensor] = None, recv_next: Optional[torch.Tensor] = None) -> None:
+    def _exchange(self, send_next: torch.Tensor | None = None, recv_prev: torch.Tensor | None = None,
+                  send_prev: torch.Tensor | None = None, recv_next: torch.Tensor | None = None) -> None:
         ops = {}
         if not self.last:
             if send_next is not None:
@@ -165,19 +165,19 @@ class Stage:
         for req in self.comm.exchange(**ops, mode=self.cfg.mode).values():
             req.wait()
 
-    def _act_buffer(self) -> Optional[torch.Tensor]:
+    def _act_buffer(self) -> torch.Tensor | None:
         return None if self.first else torch.empty(self.shape)
 
-    def _grad_buffer(self) -> Optional[torch.Tensor]:
+    def _grad_buffer(self) -> torch.Tensor | None:
         return None if self.last else torch.empty(self.shape)
 
     @staticmethod
-    def _as_input(buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _as_input(buf: torch.Tensor | None) -> torch.Tensor | None:
         # Marked only after the receive has completed: the transport writes the raw bytes, and
         # the received activation must be an autograd leaf whose .grad goes back upstream.
         return None if buf is None else buf.requires_grad_()
 
-    def recv_forward(self) -> Optional[torch.Tensor]:
+    def recv_forward(self) -> torch.Tensor | None:
         buf = self._act_buffer()
         self._exchange(recv_prev=buf)
         return self._as_input(buf)
@@ -185,25 +185,25 @@ class Stage:
     def send_forward(self, output: torch.Tensor) -> None:
         self._exchange(send_next=output.detach())
 
-    def recv_backward(self) -> Optional[torch.Tensor]:
+    def recv_backward(self) -> torch.Tensor | None:
         buf = self._grad_buffer()
         self._exchange(recv_next=buf)
         return buf
 
-    def send_backward(self, input_grad: Optional[torch.Tensor]) -> None:
+    def send_backward(self, input_grad: torch.Tensor | None) -> None:
         self._exchange(send_prev=input_grad)
 
-    def send_forward_recv_backward(self, output: torch.Tensor) -> Optional[torch.Tensor]:
+    def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor | None:
         buf = self._grad_buffer()
         self._exchange(send_next=output.detach(), recv_next=buf)
         return buf
 
-    def send_backward_recv_forward(self, input_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def send_backward_recv_forward(self, input_grad: torch.Tensor | None) -> torch.Tensor | None:
         buf = self._act_buffer()
         self._exchange(send_prev=input_grad, recv_prev=buf)
         return self._as_input(buf)
 
-    def forward(self, step: int, m: int, inp: Optional[torch.Tensor],
+    def forward(self, step: int, m: int, inp: torch.Tensor | None,
                 losses: list[torch.Tensor]) -> torch.Tensor:
         """The stage's output, or on the last stage the microbatch's scaled loss."""
         out = self.module(self.x[step, m] if self.first else inp)
@@ -213,8 +213,8 @@ class Stage:
         losses.append(loss.detach())
         return loss / self.cfg.microbatches
 
-    def backward(self, inp: Optional[torch.Tensor], out: torch.Tensor,
-                 out_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def backward(self, inp: torch.Tensor | None, out: torch.Tensor,
+                 out_grad: torch.Tensor | None) -> torch.Tensor | None:
         out.backward(out_grad)  # out_grad is None on the last stage: out is the loss
         return None if inp is None else inp.grad
 
@@ -226,7 +226,7 @@ class Stage:
         n = self.cfg.microbatches
         warmup = min(self.comm.size - self.comm.rank - 1, n)
         remaining = n - warmup
-        inputs: list[Optional[torch.Tensor]] = []
+        inputs: list[torch.Tensor | None] = []
         outputs: list[torch.Tensor] = []
         losses: list[torch.Tensor] = []
         fwd = 0  # next microbatch to run forward
@@ -260,7 +260,7 @@ class Stage:
         assert fwd == n and not inputs and not outputs
         return losses
 
-    def train(self, on_step: Optional[Callable[[int, torch.Tensor], None]] = None) -> list[torch.Tensor]:
+    def train(self, on_step: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Every step; returns the per-step losses on the last stage (elsewhere: empty)."""
         opt = make_optimizer(self.module, self.cfg)
         per_step: list[torch.Tensor] = []
@@ -299,7 +299,7 @@ def print0(comm: mp.Communicator, *args: object) -> None:
         print(*args, flush=True)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     # One thread and deterministic kernels: the same matmul must give the same bits in the
     # pipeline stage and in the reference, whatever else the machine is doing.

@@ -1,6 +1,7 @@
 """Trace dumps: with MEGATRON_P2P_TRACE_DIR set, every communicator's flight recorder
 (`comm.recent_ops()`) is written there as JSON when a P2PError is raised, when the NCCL
-watchdog aborts the communicator, at interpreter exit, and on SIGUSR1, on every backend. `python -m megatron_p2p.trace DIR` merges a job's dumps.
+watchdog aborts the communicator, at interpreter exit, and on SIGUSR1, on every backend.
+`python -m megatron_p2p.trace DIR` merges a job's dumps.
 
 One file per rank and communicator, `<dir>/rank<global rank>.<comm.id>.json`, replaced
 atomically by each later dump; the format is documented in docs/trace-format.md."""
@@ -15,8 +16,9 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 ENV = "MEGATRON_P2P_TRACE_DIR"
 FORMAT = "megatron_p2p.trace/1"
@@ -31,7 +33,7 @@ _hooks_installed = False
 _previous_sigusr1: Any = None
 
 
-def trace_dir() -> Optional[Path]:
+def trace_dir() -> Path | None:
     """The dump directory named by MEGATRON_P2P_TRACE_DIR (created if missing), or None when
     the variable is unset or empty. Raises ValueError naming the variable when it cannot be used."""
     value = os.environ.get(ENV, "")
@@ -71,7 +73,7 @@ def install(comm: Any) -> None:
     _install_hooks()
 
 
-def dump(comm: Any, reason: str, error: Optional[str] = None) -> Optional[Path]:
+def dump(comm: Any, reason: str, error: str | None = None) -> Path | None:
     """Writes `comm`'s flight recorder to MEGATRON_P2P_TRACE_DIR and returns the file, or None
     when the variable is unset or the dump failed (logged as a warning, never raised: this runs
     inside error paths). `error` defaults to the last P2PError raised on `comm`, so an exit dump
@@ -100,7 +102,7 @@ def dump_all(reason: str) -> list[Path]:
     return [p for p in (dump(c, reason) for c in comms) if p is not None]
 
 
-def to_record(comm: Any, reason: str, error: Optional[str] = None) -> dict[str, Any]:
+def to_record(comm: Any, reason: str, error: str | None = None) -> dict[str, Any]:
     """What a dump holds (docs/trace-format.md): also what a stalled NCCL rank publishes."""
     return {
         "format": FORMAT,
@@ -146,6 +148,6 @@ def _install_hooks() -> None:
 
 def _on_sigusr1(signum: int, frame: Any) -> None:
     dump_all("signal")
-    previous: Optional[Callable[[int, Any], Any]] = _previous_sigusr1
+    previous: Callable[[int, Any], Any] | None = _previous_sigusr1
     if callable(previous):
         previous(signum, frame)

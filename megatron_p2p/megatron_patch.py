@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 from . import p2p_communication as ours
 
@@ -54,14 +54,14 @@ class MegatronPatch:
                     setattr(mod, attr, back[id(value)])
         self.swapped.clear()
 
-    def __enter__(self) -> "MegatronPatch":
+    def __enter__(self) -> MegatronPatch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         unpatch_megatron()
 
 
-_active: Optional[MegatronPatch] = None
+_active: MegatronPatch | None = None
 
 
 def _megatron_modules() -> list[tuple[str, ModuleType]]:
@@ -86,10 +86,10 @@ def _configured_class(options: dict[str, Any]) -> type:
 
 def patch_megatron(
     *,
-    backend: Optional[str] = None,
-    mode: Optional[str] = None,
-    timeout: Optional[float] = None,
-    lanes: Optional[int] = None,
+    backend: str | None = None,
+    mode: str | None = None,
+    timeout: float | None = None,
+    lanes: int | None = None,
 ) -> MegatronPatch:
     """Swaps megatron-core's pipeline communication for megatron_p2p's (see the module doc).
     The options become the defaults of the P2PCommunicator that megatron-core constructs.

@@ -8,7 +8,8 @@ import os
 import socket
 import time
 import warnings
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ def nccl_version() -> NcclVersion:
     return found
 
 
-def _torch_nccl_version() -> Optional[tuple[int, int, int]]:
+def _torch_nccl_version() -> tuple[int, int, int] | None:
     if not torch.cuda.is_available():
         return None
     try:
@@ -82,7 +83,7 @@ def _torch_nccl_version() -> Optional[tuple[int, int, int]]:
     return tuple(v) if isinstance(v, tuple) else _split(int(v))  # type: ignore[return-value]
 
 
-def requested_device(device: "torch.device | str | int | None", backend: str) -> torch.device:
+def requested_device(device: torch.device | str | int | None, backend: str) -> torch.device:
     """The device a communicator serves: the given one (an int is a CUDA ordinal); else a CUDA
     device for "nccl", and for "auto" when CUDA is available; else the CPU."""
     if device is None:
@@ -139,9 +140,9 @@ class AbortRelay:
         self._store = store
         self._key = key
         self._rank = rank  # this process's global rank: the cause its peers will name
-        self.store_gone: Optional[str] = None
+        self.store_gone: str | None = None
 
-    def publish(self, message: Optional[str], rank: Optional[int] = None, peer_failed: bool = False,
+    def publish(self, message: str | None, rank: int | None = None, peer_failed: bool = False,
                 deadlock: tuple[int, ...] = ()) -> None:
         """Tells the peers; `rank` (default: this one) is the global rank their reports name;
         `deadlock`: the global ranks of the cycle `message` reports."""
@@ -156,7 +157,7 @@ class AbortRelay:
         except dist.DistError:
             pass
 
-    def relayed(self) -> Optional[Relayed]:
+    def relayed(self) -> Relayed | None:
         """The abort a peer published, or None while none has (or once the store is gone)."""
         if self.store_gone is not None:
             return None
@@ -178,7 +179,7 @@ class AbortRelay:
 # ---- dead peers ----------------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> Optional[tuple[bytes, int]]:
+def _stat(pid: int) -> tuple[bytes, int] | None:
     """The state letter and start time (clock ticks after boot) of process `pid`, from
     /proc/<pid>/stat; None when there is no such process. OSError when /proc cannot tell."""
     try:
@@ -200,7 +201,7 @@ class ProcessIdentity(NamedTuple):
     start: int  # start time in clock ticks after boot: a reused pid has another
 
     @classmethod
-    def this_process(cls) -> "ProcessIdentity":
+    def this_process(cls) -> ProcessIdentity:
         host = socket.gethostname()
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
@@ -214,7 +215,7 @@ class ProcessIdentity(NamedTuple):
         return json.dumps(self._asdict()).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> "ProcessIdentity":
+    def decode(cls, raw: bytes) -> ProcessIdentity:
         return cls(**json.loads(raw))
 
     def gone(self) -> bool:
@@ -260,9 +261,9 @@ class PeerWatch:
         self._local = {r: p for r, p in peers.items() if p.machine and p.machine == me.machine and p.pid != me.pid}
         self._dead: dict[int, ProcessIdentity] = {}
         self._clock = clock
-        self._store_gone_at: Optional[float] = None
+        self._store_gone_at: float | None = None
 
-    def loss(self) -> Optional[Loss]:
+    def loss(self) -> Loss | None:
         """None while every watched peer is there and the store answers, and for
         STORE_HOST_SETTLE_SECONDS after the store is first found gone while no peer is."""
         gone = self._relay.store_gone  # read before the processes: its host's death shows there later
@@ -291,7 +292,7 @@ class PeerWatch:
         self._relay.publish(loss.reason, rank=loss.rank, peer_failed=True)
 
 
-def abort_for_peer(comm: "_C.Communicator", rank: int, reason: str) -> None:
+def abort_for_peer(comm: _C.Communicator, rank: int, reason: str) -> None:
     """Aborts `comm` naming global rank `rank` (NO_RANK: none, the cause is outside the group) as
     the cause: its failures are PeerFailureError quoting `reason`."""
     comm.abort(rank=rank, reason=reason, peer_failed=True)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import operator
 import pickle
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ Communicator = _C.Communicator
 _registered: dict[tuple[int, ...], Communicator] = {}
 
 
-def group_ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     """Global ranks of `group` (None: every rank), in group-rank order."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: a process group cannot be resolved to ranks")
@@ -42,7 +43,7 @@ def register_communicator(comm: Communicator) -> Communicator:
     return comm
 
 
-def find_communicator(ranks: tuple[int, ...]) -> Optional[Communicator]:
+def find_communicator(ranks: tuple[int, ...]) -> Communicator | None:
     """The open communicator over exactly `ranks`: the registered one, else the only live one
     that `init_communicator` made; None if there is none. Several unregistered ones: an error."""
     comm = _registered.get(ranks)
@@ -57,7 +58,7 @@ def find_communicator(ranks: tuple[int, ...]) -> Optional[Communicator]:
     return live[0] if live else None
 
 
-def get_communicator(group: Optional[dist.ProcessGroup] = None) -> Communicator:
+def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     """The open communicator over `group`'s ranks (see find_communicator); an error saying how
     to create it when there is none."""
     ranks = group_ranks(group)
@@ -72,7 +73,7 @@ def get_communicator(group: Optional[dist.ProcessGroup] = None) -> Communicator:
     )
 
 
-def _resolve(group: Optional[dist.ProcessGroup], comm: Optional[Communicator], tag: int, fn: str) -> Communicator:
+def _resolve(group: dist.ProcessGroup | None, comm: Communicator | None, tag: int, fn: str) -> Communicator:
     if tag != 0:
         raise ValueError(
             f"{fn}: tag={tag!r} is not supported; messages between two ranks match in issue order (tag 0). "
@@ -85,7 +86,7 @@ def _resolve(group: Optional[dist.ProcessGroup], comm: Optional[Communicator], t
     return comm
 
 
-def _peer(comm: Communicator, peer: Optional[int], group_peer: Optional[int], names: tuple[str, str]) -> int:
+def _peer(comm: Communicator, peer: int | None, group_peer: int | None, names: tuple[str, str]) -> int:
     if (peer is None) == (group_peer is None):
         raise ValueError(f"give exactly one of {names[0]} (a global rank) and {names[1]} (a rank in the group)")
     if peer is not None:
@@ -107,12 +108,12 @@ def _group_rank(comm: Communicator, peer: int, name: str) -> int:
 
 def isend(
     tensor: torch.Tensor,
-    dst: Optional[int] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    dst: int | None = None,
+    group: dist.ProcessGroup | None = None,
     tag: int = 0,
-    group_dst: Optional[int] = None,
+    group_dst: int | None = None,
     *,
-    comm: Optional[Communicator] = None,
+    comm: Communicator | None = None,
 ) -> Request:
     """torch.distributed.isend's signature: posts a send of `tensor` to global rank `dst` (or to
     `group_dst` within `group`). Ops of one communicator run one by one in call order.
@@ -123,12 +124,12 @@ def isend(
 
 def irecv(
     tensor: torch.Tensor,
-    src: Optional[int] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    src: int | None = None,
+    group: dist.ProcessGroup | None = None,
     tag: int = 0,
-    group_src: Optional[int] = None,
+    group_src: int | None = None,
     *,
-    comm: Optional[Communicator] = None,
+    comm: Communicator | None = None,
 ) -> Request:
     """torch.distributed.irecv's signature: posts a receive into `tensor` from global rank `src`
     (or `group_src` within `group`). There is no wildcard source: `src` is required."""
@@ -154,12 +155,12 @@ class P2POp:
         self,
         op: Callable[..., Any],
         tensor: torch.Tensor,
-        peer: Optional[int] = None,
-        group: Optional[dist.ProcessGroup] = None,
+        peer: int | None = None,
+        group: dist.ProcessGroup | None = None,
         tag: int = 0,
-        group_peer: Optional[int] = None,
+        group_peer: int | None = None,
         *,
-        comm: Optional[Communicator] = None,
+        comm: Communicator | None = None,
     ):
         self.is_send = _is_send_op(op)
         self.op = op
@@ -192,12 +193,12 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Request]:
 
 def send(
     tensor: torch.Tensor,
-    dst: Optional[int] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    dst: int | None = None,
+    group: dist.ProcessGroup | None = None,
     tag: int = 0,
-    group_dst: Optional[int] = None,
+    group_dst: int | None = None,
     *,
-    comm: Optional[Communicator] = None,
+    comm: Communicator | None = None,
 ) -> None:
     """torch.distributed.send's signature: isend, then wait."""
     isend(tensor, dst, group, tag, group_dst, comm=comm).wait()
@@ -205,12 +206,12 @@ def send(
 
 def recv(
     tensor: torch.Tensor,
-    src: Optional[int] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    src: int | None = None,
+    group: dist.ProcessGroup | None = None,
     tag: int = 0,
-    group_src: Optional[int] = None,
+    group_src: int | None = None,
     *,
-    comm: Optional[Communicator] = None,
+    comm: Communicator | None = None,
 ) -> int:
     """torch.distributed.recv's signature: irecv, then wait. Returns the sender's global rank."""
     req = irecv(tensor, src, group, tag, group_src, comm=comm)
@@ -218,7 +219,7 @@ def recv(
     return req.peer
 
 
-def _object_device(comm: Communicator, device: "torch.device | str | None") -> torch.device:
+def _object_device(comm: Communicator, device: torch.device | str | None) -> torch.device:
     if device is not None:
         return torch.device(device)
     return torch.device("cpu") if comm.device < 0 else torch.device("cuda", comm.device)
@@ -226,13 +227,13 @@ def _object_device(comm: Communicator, device: "torch.device | str | None") -> t
 
 def send_object_list(
     object_list: list[Any],
-    dst: Optional[int] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    device: "torch.device | str | None" = None,
-    group_dst: Optional[int] = None,
+    dst: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    group_dst: int | None = None,
     use_batch: bool = False,
     *,
-    comm: Optional[Communicator] = None,
+    comm: Communicator | None = None,
 ) -> None:
     """torch.distributed.send_object_list's signature and wire format: one int64 size per
     object, then the pickles concatenated as uint8, two messages. `use_batch` is accepted and
@@ -250,13 +251,13 @@ def send_object_list(
 
 def recv_object_list(
     object_list: list[Any],
-    src: Optional[int] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    device: "torch.device | str | None" = None,
-    group_src: Optional[int] = None,
+    src: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    group_src: int | None = None,
     use_batch: bool = False,
     *,
-    comm: Optional[Communicator] = None,
+    comm: Communicator | None = None,
 ) -> int:
     """torch.distributed.recv_object_list's signature and wire format (see send_object_list):
     fills `object_list` in place, which must be as long as the sender's, and returns the

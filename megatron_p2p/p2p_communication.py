@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from collections.abc import Iterator
+from typing import Any, List, Union  # noqa: UP035 - List: megatron-core's Shape alias
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from .ops import find_communicator, get_communicator, group_ranks, register_comm
 
 logger = logging.getLogger(__name__)
 
-Shape = Union[List[int], torch.Size]
+Shape = Union[List[int], torch.Size]  # noqa: UP006, UP007 - equal to megatron-core's own alias
 
 MODES = ("parity", "batched")
 SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
@@ -57,7 +58,7 @@ _UNKNOWN_DTYPE = -1
 HEADER_CALL = "_communicate_shapes"  # the name of the header receives in reports
 
 
-def _slots(send_next: Optional[torch.Tensor], send_prev: Optional[torch.Tensor], recv_prev: bool,
+def _slots(send_next: torch.Tensor | None, send_prev: torch.Tensor | None, recv_prev: bool,
            recv_next: bool) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
     """megatron-core's four arguments as ({send slot: tensor}, (receive slots))."""
     sends = {s: t for s, t in (("send_next", send_next), ("send_prev", send_prev)) if t is not None}
@@ -101,11 +102,11 @@ def is_single_shape(x: Any) -> bool:
 
 def _exchange_for(
     mode: str,
-    tensor_send_prev: Optional[torch.Tensor],
-    tensor_recv_prev: Optional[torch.Tensor],
-    tensor_send_next: Optional[torch.Tensor],
-    tensor_recv_next: Optional[torch.Tensor],
-    group: Optional[dist.ProcessGroup],
+    tensor_send_prev: torch.Tensor | None,
+    tensor_recv_prev: torch.Tensor | None,
+    tensor_send_next: torch.Tensor | None,
+    tensor_recv_next: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
     prev_pipeline_rank: int,
     next_pipeline_rank: int,
     call: str,
@@ -118,10 +119,10 @@ def _exchange_for(
 
 def _p2p_ops(
     *,
-    tensor_send_prev: Optional[torch.Tensor],
-    tensor_recv_prev: Optional[torch.Tensor],
-    tensor_send_next: Optional[torch.Tensor],
-    tensor_recv_next: Optional[torch.Tensor],
+    tensor_send_prev: torch.Tensor | None,
+    tensor_recv_prev: torch.Tensor | None,
+    tensor_send_next: torch.Tensor | None,
+    tensor_recv_next: torch.Tensor | None,
     group: dist.ProcessGroup,
     prev_pipeline_rank: int,
     next_pipeline_rank: int,
@@ -135,10 +136,10 @@ def _p2p_ops(
 
 def _batched_p2p_ops(
     *,
-    tensor_send_prev: Optional[torch.Tensor],
-    tensor_recv_prev: Optional[torch.Tensor],
-    tensor_send_next: Optional[torch.Tensor],
-    tensor_recv_next: Optional[torch.Tensor],
+    tensor_send_prev: torch.Tensor | None,
+    tensor_recv_prev: torch.Tensor | None,
+    tensor_send_next: torch.Tensor | None,
+    tensor_recv_next: torch.Tensor | None,
     group: dist.ProcessGroup,
     prev_pipeline_rank: int,
     next_pipeline_rank: int,
@@ -196,11 +197,11 @@ class P2PCommunicator:
         pp_group: dist.ProcessGroup,
         config: Any,
         *,
-        backend: Optional[str] = None,
-        mode: Optional[str] = None,
-        timeout: Optional[float] = None,
-        lanes: Optional[int] = None,
-        comm: Optional[_C.Communicator] = None,
+        backend: str | None = None,
+        mode: str | None = None,
+        timeout: float | None = None,
+        lanes: int | None = None,
+        comm: _C.Communicator | None = None,
     ):
         self.pp_group = pp_group
         self.config = config
@@ -230,9 +231,9 @@ class P2PCommunicator:
     def _find_or_create(
         pp_group: dist.ProcessGroup,
         ranks: tuple[int, ...],
-        backend: Optional[str],
-        timeout: Optional[float],
-        lanes: Optional[int],
+        backend: str | None,
+        timeout: float | None,
+        lanes: int | None,
     ) -> _C.Communicator:
         comm = find_communicator(ranks)
         if comm is None:
@@ -289,7 +290,7 @@ class P2PCommunicator:
         finally:
             self._call = outer
 
-    def _exchange(self, **ops: Optional[torch.Tensor]) -> dict[str, _C.Request]:
+    def _exchange(self, **ops: torch.Tensor | None) -> dict[str, _C.Request]:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("exchange (%s): %s", self.mode,
                          ", ".join(f"{k} {tuple(v.shape)}" for k, v in ops.items() if v is not None))
@@ -302,7 +303,7 @@ class P2PCommunicator:
         return torch.tensor(words, dtype=torch.int64, device=self._device())
 
     def _exchange_with_headers(
-        self, sends: dict[str, torch.Tensor], recvs: tuple[str, ...], allocate: Optional[Any] = None,
+        self, sends: dict[str, torch.Tensor], recvs: tuple[str, ...], allocate: Any | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, _C.Request], list[_C.Request]]:
         """Posts an exchange step by step with its shape headers (shape_headers.round_steps): the
         parity plan's steps, each send preceded by its header, each step with receives by their
@@ -343,7 +344,7 @@ class P2PCommunicator:
                     reqs[s] = r
         return headers, buffers, reqs, header_sends
 
-    def _decode(self, header: Optional[torch.Tensor], peer: Optional[int]) -> tuple[list[int], Optional[torch.dtype]]:
+    def _decode(self, header: torch.Tensor | None, peer: int | None) -> tuple[list[int], torch.dtype | None]:
         if header is None:
             return [0, 0, 0], None
         words = header.tolist()
@@ -366,7 +367,7 @@ class P2PCommunicator:
             r.wait()
         return self._decode(got.get("recv_prev"), self.prev_rank)[0], self._decode(got.get("recv_next"), self.next_rank)[0]
 
-    def _check_dtype(self, announced: Optional[torch.dtype], peer: Optional[int], what: str) -> Optional[str]:
+    def _check_dtype(self, announced: torch.dtype | None, peer: int | None, what: str) -> str | None:
         want = self.config.pipeline_dtype
         if announced is None or want is None or announced == want:
             return None
@@ -376,13 +377,13 @@ class P2PCommunicator:
     def _communicate(
         self,
         *,
-        tensor_send_next: Optional[torch.Tensor],
-        tensor_send_prev: Optional[torch.Tensor],
+        tensor_send_next: torch.Tensor | None,
+        tensor_send_prev: torch.Tensor | None,
         recv_prev: bool,
         recv_next: bool,
         tensor_shape: Shape,
         wait_on_reqs: bool = True,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, Any]:
         """megatron-core's `_communicate`: returns (tensor_recv_prev, tensor_recv_next, reqs).
         Received tensors are fresh `torch.empty(..., requires_grad=True)` of
         config.pipeline_dtype (None where not received). reqs: None once waited on; with
@@ -403,7 +404,7 @@ class P2PCommunicator:
         header_sends: list[_C.Request] = []
         problems: list[str] = []
 
-        def buffer(slot: str, shape: Any, announced: Optional[torch.dtype]) -> torch.Tensor:
+        def buffer(slot: str, shape: Any, announced: torch.dtype | None) -> torch.Tensor:
             peer = self.prev_rank if slot == "recv_prev" else self.next_rank
             problem = self._check_dtype(announced, peer, slot)
             if problem:
@@ -463,13 +464,13 @@ class P2PCommunicator:
             out.append(recv_p if prev else recv_n)
         return out[0] if single else out
 
-    def recv_forward(self, tensor_shapes, is_first_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
+    def recv_forward(self, tensor_shapes, is_first_stage: bool) -> torch.Tensor | list[torch.Tensor]:
         """Receives activations from the previous stage: one tensor per shape (a single tensor
         for a single shape), None on the first stage."""
         with self._serving("recv_forward"):
             return self._recv_each(tensor_shapes, is_first_stage, "forward-recv", prev=True)
 
-    def recv_backward(self, tensor_shapes, is_last_stage: bool) -> Union[torch.Tensor, list[torch.Tensor]]:
+    def recv_backward(self, tensor_shapes, is_last_stage: bool) -> torch.Tensor | list[torch.Tensor]:
         """Receives gradients from the next stage: one tensor per shape (a single tensor for a
         single shape), None on the last stage."""
         with self._serving("recv_backward"):
@@ -518,7 +519,7 @@ class P2PCommunicator:
 
     def send_forward_recv_backward(
         self, output_tensors, tensor_shapes, is_last_stage: bool, *, overlap_p2p_comm: bool = False
-    ) -> Union[torch.Tensor, list[torch.Tensor]]:
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Sends activations to the next stage and receives its gradients (None on the last
         stage). With overlap_p2p_comm=True (an addition to megatron-core) returns
         (gradients, handles) without waiting; handles is a dict keyed by op name (a list of
@@ -529,7 +530,7 @@ class P2PCommunicator:
 
     def send_backward_recv_forward(
         self, input_tensor_grads, tensor_shapes, is_first_stage: bool, *, overlap_p2p_comm: bool = False
-    ) -> Union[torch.Tensor, list[torch.Tensor]]:
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Sends gradients to the previous stage and receives its next activations (None on the
         first stage). overlap_p2p_comm=True returns (activations, handles), as above."""
         with self._serving("send_backward_recv_forward"):
@@ -603,7 +604,7 @@ def _legacy(config: Any) -> P2PCommunicator:
     return P2PCommunicator(group, config, comm=get_communicator(group))
 
 
-def _stage(flag: Optional[bool], first: bool) -> bool:
+def _stage(flag: bool | None, first: bool) -> bool:
     if flag is not None:
         return flag
     from megatron.core import parallel_state
@@ -618,14 +619,14 @@ def _communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next
 
 def _communicate(
     *,
-    tensor_send_next: Optional[torch.Tensor],
-    tensor_send_prev: Optional[torch.Tensor],
+    tensor_send_next: torch.Tensor | None,
+    tensor_send_prev: torch.Tensor | None,
     recv_prev: bool,
     recv_next: bool,
     tensor_shape: Shape,
     config: Any,
     wait_on_reqs: bool = True,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron-core <= 0.13's module-level `_communicate` (returns the same 3-tuple)."""
     return _legacy(config)._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
                                         recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
@@ -655,7 +656,7 @@ def _legacy_call(config: Any, timer: str, **kw: Any):
             return p2p._communicate(**kw)
 
 
-def recv_forward(tensor_shape: Shape, config: Any, is_first_stage: Optional[bool] = None) -> torch.Tensor:
+def recv_forward(tensor_shape: Shape, config: Any, is_first_stage: bool | None = None) -> torch.Tensor:
     """Receives activations from the previous stage (None on the first stage)."""
     if _stage(is_first_stage, first=True):
         return None
@@ -663,7 +664,7 @@ def recv_forward(tensor_shape: Shape, config: Any, is_first_stage: Optional[bool
                         recv_next=False, tensor_shape=tensor_shape)[0]
 
 
-def recv_backward(tensor_shape: Shape, config: Any, is_last_stage: Optional[bool] = None) -> torch.Tensor:
+def recv_backward(tensor_shape: Shape, config: Any, is_last_stage: bool | None = None) -> torch.Tensor:
     """Receives gradients from the next stage (None on the last stage)."""
     if _stage(is_last_stage, first=False):
         return None
@@ -671,14 +672,14 @@ def recv_backward(tensor_shape: Shape, config: Any, is_last_stage: Optional[bool
                         recv_next=True, tensor_shape=tensor_shape)[1]
 
 
-def send_forward(output_tensor: torch.Tensor, config: Any, is_last_stage: Optional[bool] = None) -> None:
+def send_forward(output_tensor: torch.Tensor, config: Any, is_last_stage: bool | None = None) -> None:
     """Sends activations to the next stage (nothing on the last stage)."""
     if not _stage(is_last_stage, first=False):
         _legacy_call(config, "forward-send", tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=False,
                      recv_next=False, tensor_shape=None)
 
 
-def send_backward(input_tensor_grad: torch.Tensor, config: Any, is_first_stage: Optional[bool] = None) -> None:
+def send_backward(input_tensor_grad: torch.Tensor, config: Any, is_first_stage: bool | None = None) -> None:
     """Sends gradients to the previous stage (nothing on the first stage)."""
     if not _stage(is_first_stage, first=True):
         _legacy_call(config, "backward-send", tensor_send_next=None, tensor_send_prev=input_tensor_grad,
@@ -686,7 +687,7 @@ def send_backward(input_tensor_grad: torch.Tensor, config: Any, is_first_stage: 
 
 
 def send_forward_recv_backward(
-    output_tensor: torch.Tensor, tensor_shape: Shape, config: Any, is_last_stage: Optional[bool] = None
+    output_tensor: torch.Tensor, tensor_shape: Shape, config: Any, is_last_stage: bool | None = None
 ) -> torch.Tensor:
     """Sends activations to the next stage and receives its gradients (None on the last stage)."""
     if _stage(is_last_stage, first=False):
@@ -696,7 +697,7 @@ def send_forward_recv_backward(
 
 
 def send_backward_recv_forward(
-    input_tensor_grad: torch.Tensor, tensor_shape: Shape, config: Any, is_first_stage: Optional[bool] = None
+    input_tensor_grad: torch.Tensor, tensor_shape: Shape, config: Any, is_first_stage: bool | None = None
 ) -> torch.Tensor:
     """Sends gradients to the previous stage and receives its activations (None on the first stage)."""
     if _stage(is_first_stage, first=True):

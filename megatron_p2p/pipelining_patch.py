@@ -19,8 +19,9 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ class _StagedReceive:
         return getattr(self._request, name)
 
 
-def _staged(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+def _staged(tensor: torch.Tensor) -> torch.Tensor | None:
     """The contiguous tensor a receive into `tensor` lands in, or None when it can land there."""
     if not isinstance(tensor, torch.Tensor) or tensor.is_contiguous():
         return None
@@ -77,24 +78,24 @@ def _receive(post: Callable[[torch.Tensor], ops.Request], tensor: torch.Tensor) 
     return _StagedReceive(post(staging), staging, tensor)
 
 
-def _proxy(comm: Optional[ops.Communicator]) -> ModuleType:
+def _proxy(comm: ops.Communicator | None) -> ModuleType:
     """torch.distributed as the pipelining modules see it while patched."""
     proxy = _DistProxy()
 
-    def isend(tensor: torch.Tensor, dst: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
-              tag: int = 0, group_dst: Optional[int] = None) -> ops.Request:
+    def isend(tensor: torch.Tensor, dst: int | None = None, group: dist.ProcessGroup | None = None,
+              tag: int = 0, group_dst: int | None = None) -> ops.Request:
         return ops.isend(_contiguous(tensor), dst, group, tag, group_dst, comm=comm)
 
-    def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
-              tag: int = 0, group_src: Optional[int] = None) -> Any:
+    def irecv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None,
+              tag: int = 0, group_src: int | None = None) -> Any:
         return _receive(lambda t: ops.irecv(t, src, group, tag, group_src, comm=comm), tensor)
 
-    def send(tensor: torch.Tensor, dst: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
-             tag: int = 0, group_dst: Optional[int] = None) -> None:
+    def send(tensor: torch.Tensor, dst: int | None = None, group: dist.ProcessGroup | None = None,
+             tag: int = 0, group_dst: int | None = None) -> None:
         isend(tensor, dst, group, tag, group_dst).wait()
 
-    def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
-             tag: int = 0, group_src: Optional[int] = None) -> int:
+    def recv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None,
+             tag: int = 0, group_src: int | None = None) -> int:
         req = irecv(tensor, src, group, tag, group_src)
         req.wait()
         return req.peer
@@ -103,8 +104,8 @@ def _proxy(comm: Optional[ops.Communicator]) -> ModuleType:
         """torch.distributed.P2POp's signature, over this package; `op` is the proxy's isend or
         irecv (what torch's code passes, and compares p.op with)."""
 
-        def __init__(self, op: Callable[..., Any], tensor: torch.Tensor, peer: Optional[int] = None,
-                     group: Optional[dist.ProcessGroup] = None, tag: int = 0, group_peer: Optional[int] = None):
+        def __init__(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int | None = None,
+                     group: dist.ProcessGroup | None = None, tag: int = 0, group_peer: int | None = None):
             own = {isend: ops.isend, irecv: ops.irecv}.get(op, op)  # type: ignore[arg-type]
             super().__init__(own, tensor, peer, group, tag, group_peer, comm=comm)
             self.op = op
@@ -122,14 +123,14 @@ def _proxy(comm: Optional[ops.Communicator]) -> ModuleType:
         reqs = ops.batch_isend_irecv(plain)
         return [r if s is None else _StagedReceive(r, s, p.tensor) for r, s, p in zip(reqs, staged, p2p_op_list)]
 
-    def send_object_list(object_list: list[Any], dst: Optional[int] = None,
-                         group: Optional[dist.ProcessGroup] = None, device: Any = None,
-                         group_dst: Optional[int] = None, use_batch: bool = False) -> None:
+    def send_object_list(object_list: list[Any], dst: int | None = None,
+                         group: dist.ProcessGroup | None = None, device: Any = None,
+                         group_dst: int | None = None, use_batch: bool = False) -> None:
         ops.send_object_list(object_list, dst, group, device, group_dst, use_batch, comm=comm)
 
-    def recv_object_list(object_list: list[Any], src: Optional[int] = None,
-                         group: Optional[dist.ProcessGroup] = None, device: Any = None,
-                         group_src: Optional[int] = None, use_batch: bool = False) -> int:
+    def recv_object_list(object_list: list[Any], src: int | None = None,
+                         group: dist.ProcessGroup | None = None, device: Any = None,
+                         group_src: int | None = None, use_batch: bool = False) -> int:
         return ops.recv_object_list(object_list, src, group, device, group_src, use_batch, comm=comm)
 
     functions = {"isend": isend, "irecv": irecv, "batch_isend_irecv": batch_isend_irecv, "send": send,
@@ -157,7 +158,7 @@ class PipeliningPatch:
     """The active swap: `swapped` lists (module name, attribute) pairs; `dist` is the proxy they
     now hold. A context manager whose exit calls unpatch_pipelining()."""
 
-    def __init__(self, comm: Optional[ops.Communicator]):
+    def __init__(self, comm: ops.Communicator | None):
         self.comm = comm
         self.dist = _proxy(comm)
         self.swapped: list[tuple[str, str]] = []
@@ -186,14 +187,14 @@ class PipeliningPatch:
         self._rebind({id(ours): theirs for theirs, ours in self._pairs()})
         self.swapped.clear()
 
-    def __enter__(self) -> "PipeliningPatch":
+    def __enter__(self) -> PipeliningPatch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         unpatch_pipelining()
 
 
-_active: Optional[PipeliningPatch] = None
+_active: PipeliningPatch | None = None
 
 
 def _pipelining_modules() -> list[tuple[str, ModuleType]]:
@@ -201,7 +202,7 @@ def _pipelining_modules() -> list[tuple[str, ModuleType]]:
             if (n == _PACKAGE or n.startswith(_PACKAGE + ".")) and isinstance(m, ModuleType)]
 
 
-def patch_pipelining(comm: Optional[ops.Communicator] = None) -> PipeliningPatch:
+def patch_pipelining(comm: ops.Communicator | None = None) -> PipeliningPatch:
     """Sends torch.distributed.pipelining's point-to-point traffic (schedules and stages: the
     first-step vote, the metadata round, the schedule's own ops) over megatron_p2p (see the
     module doc). `comm`: the communicator every call uses (its ranks must be the stages'
@@ -234,7 +235,3 @@ def unpatch_pipelining() -> None:
     _active = None
     logger.info("unpatch_pipelining: torch.distributed.pipelining's own communication restored")
 
-
-def is_pipelining_patched() -> bool:
-    """True between patch_pipelining() and unpatch_pipelining()."""
-    return _active is not None

@@ -23,7 +23,7 @@ deadlock with it under strict rendezvous, with and without lanes serialized.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 SENDS = ("send_next", "send_prev")
 RECVS = ("recv_prev", "recv_next")

@@ -23,11 +23,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from . import flight_recorder, trace
+from . import flight_recorder
+
+if TYPE_CHECKING:
+    from .verify import trace
 
 ENV_SECONDS = "MEGATRON_P2P_STALL_SECONDS"
 DEFAULT_SECONDS = 1.0
@@ -74,12 +77,12 @@ class StallWatch:
     """One NCCL communicator's stall analysis, run by the watchdog thread (see the module)."""
 
     def __init__(self, store: dist.Store, key: str, ranks: tuple[int, ...], rank: int,
-                 seconds: Optional[float] = None) -> None:
+                 seconds: float | None = None) -> None:
         self._store, self._key, self._ranks, self._rank = store, key, ranks, rank
         self._seconds = stall_seconds() if seconds is None else seconds
-        self._mine: Optional[_Beat] = None
+        self._mine: _Beat | None = None
 
-    def check(self, comm: Any) -> Optional[tuple[tuple[int, ...], str]]:
+    def check(self, comm: Any) -> tuple[tuple[int, ...], str] | None:
         """A certain cycle this rank is in, as (its global ranks, its report), or None. Publishes
         this rank's record while it is stalled, and withdraws it once it is not."""
         record = flight_recorder.to_record(comm, "stall")
@@ -109,8 +112,10 @@ class StallWatch:
             self._mine = None
             self._store.delete_key(f"{self._key}/beat/{self._rank}")
 
-    def _analyse(self) -> tuple[trace.Report, Optional[tuple[tuple[int, ...], str]]]:
+    def _analyse(self) -> tuple[trace.Report, tuple[tuple[int, ...], str] | None]:
         """The analysis of the stable records, and the verdict on a certain cycle through this rank."""
+        from .verify import trace  # the analyser, imported once a stall is analysed, not with the package
+
         dumps, waiting = [], {}
         for rank in self._ranks:
             beat_key, record_key = f"{self._key}/beat/{rank}", f"{self._key}/record/{rank}"
@@ -133,7 +138,7 @@ class StallWatch:
         return report, None
 
 
-def _picture(report: trace.Report, ranks: tuple[int, ...]) -> Optional[str]:
+def _picture(report: trace.Report, ranks: tuple[int, ...]) -> str | None:
     """The group as the stalled ranks published it: what each has not posted, and who published
     nothing (computing, or not stalled)."""
     if not report.communicators:

@@ -38,7 +38,6 @@ import os
 import sys
 import threading
 import weakref
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -66,8 +65,8 @@ def handling() -> str:
 
 
 class _Watched:
-    def __init__(self, comm: "_C.Communicator", relay: nccl.AbortRelay, peers: Optional[nccl.PeerWatch],
-                 stall: Optional[StallWatch]):
+    def __init__(self, comm: _C.Communicator, relay: nccl.AbortRelay, peers: nccl.PeerWatch | None,
+                 stall: StallWatch | None):
         self.comm = weakref.ref(comm)
         self.relay = relay
         self.peers = peers
@@ -88,11 +87,11 @@ class Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._watched: list[_Watched] = []
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    def watch(self, comm: "_C.Communicator", relay: nccl.AbortRelay, peers: Optional[nccl.PeerWatch] = None,
-              stall: Optional[StallWatch] = None) -> None:
+    def watch(self, comm: _C.Communicator, relay: nccl.AbortRelay, peers: nccl.PeerWatch | None = None,
+              stall: StallWatch | None = None) -> None:
         """Watches `comm` until it is closed or dropped. watchdog_check() publishes what it finds
         to the peers itself (the communicator's on_abort); `relay.relayed()` returns the global
         rank that aborted and why (an nccl.Relayed), once a peer has published an abort; `peers`
@@ -155,7 +154,7 @@ class Watchdog:
         flight_recorder.dump(comm, "watchdog", error=f"{type(found).__name__}: {report}")
         self._report(report)
 
-    def _deadlock(self, w: _Watched, comm: "_C.Communicator") -> None:
+    def _deadlock(self, w: _Watched, comm: _C.Communicator) -> None:
         """A certain wait-for cycle through this rank (stall.StallWatch): the verdict goes to the
         peers with its cycle, whose ranks raise the same DeadlockError, then aborts here."""
         try:
@@ -171,7 +170,7 @@ class Watchdog:
         flight_recorder.dump(comm, "watchdog", error=f"DeadlockError: {report}")
         self._report(report)
 
-    def _lost(self, w: _Watched, comm: "_C.Communicator", loss: nccl.Loss) -> None:
+    def _lost(self, w: _Watched, comm: _C.Communicator, loss: nccl.Loss) -> None:
         """A peer's process or the store's host is gone: aborts `comm` when an op is pending on
         it (any op, for the store), reporting as for a timeout; quietly when the store is gone and
         nothing is pending (a finished job whose store's host exited first); else waits."""
@@ -210,7 +209,7 @@ _watchdog = Watchdog()
 atexit.register(_watchdog.stop)
 
 
-def watch(comm: "_C.Communicator", relay: nccl.AbortRelay, peers: Optional[nccl.PeerWatch] = None,
-          stall: Optional[StallWatch] = None) -> None:
+def watch(comm: _C.Communicator, relay: nccl.AbortRelay, peers: nccl.PeerWatch | None = None,
+          stall: StallWatch | None = None) -> None:
     """Puts `comm` under the process's watchdog (see Watchdog.watch)."""
     _watchdog.watch(comm, relay, peers, stall)

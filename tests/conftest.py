@@ -3,6 +3,7 @@ session, with a wall-clock limit. Past the limit every rank's stacks are collect
 process group is killed, so a test can fail but never hang the suite."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -20,10 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+ENV_FAST = "MEGATRON_P2P_FAST_TESTS"  # set by make test-fast: run_job refuses to launch
+
+
 @dataclass
 class Job:
     returncode: int
-    ranks: list[Optional[dict[str, Any]]]  # per global rank: what the worker returned, or None
+    ranks: list[dict[str, Any] | None]  # per global rank: what the worker returned, or None
     output: str
 
     def ok(self) -> list[dict[str, Any]]:
@@ -72,11 +76,14 @@ def _signal_job(token: str, sig: int) -> None:
 def run_job(
     worker: str,
     nproc: int,
-    params: Optional[dict[str, Any]] = None,
+    params: dict[str, Any] | None = None,
     timeout: float = 120.0,
-    env: Optional[dict[str, str]] = None,
+    env: dict[str, str] | None = None,
 ) -> Job:
     """Runs tests/workers/<worker> on `nproc` ranks; each rank's body gets `params`."""
+    if os.environ.get(ENV_FAST):
+        pytest.fail(f"this test launches a torchrun job ({worker}) but is not marked torchrun: "
+                    "mark it @pytest.mark.torchrun (make test-fast runs the rest)")
     with tempfile.TemporaryDirectory(prefix="mp2p-job-") as tmp:
         result_dir = Path(tmp)
         job_env = dict(os.environ)
@@ -108,7 +115,7 @@ def run_job(
                 f"{_stacks(result_dir)}\n--- job output (tail):\n{output[-6000:]}"
             )
         _signal_job(result_dir.name, signal.SIGKILL)  # a rank that outlived its launcher
-        ranks: list[Optional[dict[str, Any]]] = []
+        ranks: list[dict[str, Any] | None] = []
         for r in range(nproc):
             path = result_dir / f"rank{r}.json"
             ranks.append(json.loads(path.read_text()) if path.exists() else None)
@@ -124,3 +131,51 @@ def torchrun():
 def shm_segments() -> set[str]:
     """Names of this package's shared-memory segments that exist now."""
     return {p.name for p in Path("/dev/shm").glob("mp2p-*")}
+
+
+# ---- the torchrun mark --------------------------------------------------------------------------
+# A test that launches processes under torchrun is marked `torchrun`, so that `make test-fast`
+# (-m "not torchrun") runs the rest in seconds. An explicit mark counts; otherwise the mark is read
+# from the source: the test's function or any fixture it uses mentions a launcher, or a function of
+# its module that does, called by name. run_job refuses to launch in the fast run, so a test this
+# misses fails there rather than slowing it down.
+LAUNCHERS = ("run_job", "torch.distributed.run", "torchrun", "run_device_checks")
+_launching: dict[str, tuple[str, ...]] = {}  # module name -> what names a launch in its source
+
+
+def _in_tests(func: Any) -> bool:
+    return Path(inspect.getsourcefile(func) or "/").resolve().is_relative_to(ROOT / "tests")
+
+
+def _launch_words(module: Any) -> tuple[str, ...]:
+    if module.__name__ not in _launching:
+        sources = {name: inspect.getsource(obj) for name, obj in vars(module).items()
+                   if inspect.isfunction(obj) and _in_tests(obj)}  # its own, and helpers it imports
+        words, grew = list(LAUNCHERS), True
+        while grew:  # a helper that calls a helper that launches
+            grew = False
+            for name, src in sources.items():
+                if f"{name}(" not in words and any(w in src for w in words):
+                    words.append(f"{name}(")
+                    grew = True
+        _launching[module.__name__] = tuple(words)
+    return _launching[module.__name__]
+
+
+def _launches(item: pytest.Item) -> bool:
+    words = _launch_words(item.module)
+    funcs = [item.function] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    for func in funcs:
+        try:
+            src = inspect.getsource(func)
+        except (OSError, TypeError):  # built-in fixtures
+            continue
+        if any(w in src for w in words + _launch_words(inspect.getmodule(func) or item.module)):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, pytest.Function) and not item.get_closest_marker("torchrun") and _launches(item):
+            item.add_marker(pytest.mark.torchrun)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_p2p.program import Program, ProgramBuilder
 
@@ -26,7 +25,7 @@ class _Item:
     bytes: int = 0
     dtype: str = "float32"
     label: str = ""
-    slots: Optional[dict] = None  # exchange: slot -> (bytes, dtype, label)
+    slots: dict | None = None  # exchange: slot -> (bytes, dtype, label)
     mode: str = "parity"
 
 

@@ -7,7 +7,6 @@ once; a block whose receive failed while its sender could still write is never h
 One torchrun job (workers/arena_cases.py) observes everything; where a buffer lives is read from
 the rank's memory map. Rank 0 sends, rank 1 receives, unless a test says otherwise."""
 import pytest
-
 from conftest import run_job
 
 MIB = 1 << 20

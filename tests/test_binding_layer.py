@@ -115,6 +115,21 @@ def test_an_abort_for_a_cause_outside_the_group_names_no_rank_and_one_for_a_peer
             c.close()
 
 
+def test_an_abort_naming_a_rank_past_any_int_is_a_value_error_and_a_group_rank_is_taken(comm):
+    with pytest.raises(ValueError, match="is not a rank of this communicator"):
+        comm.abort(rank=2**70, reason="why", peer_failed=True)
+    assert comm.isend(torch.ones(1), 1).wait()  # refused up front: nothing was aborted
+    comm.abort(rank=1, reason="why", peer_failed=True)
+    with pytest.raises(megatron_p2p.PeerFailureError, match="caused by group rank 1"):
+        comm.isend(torch.ones(1), 1)
+
+
+def test_an_unknown_backend_given_by_keyword_is_named_and_a_known_one_is_taken():
+    with pytest.raises(ValueError, match="backend must be 'shm' or 'nccl', got 'bogus'"):
+        megatron_p2p._C.Communicator(backend="bogus", unique_id="x", group_rank=0, ranks=[0, 1])
+    _testing.null_communicator("binding-layer-backend", 0, [0, 1], timeout=5.0).close()
+
+
 def test_a_cause_outside_the_group_must_be_a_peer_failure(comm):
     with pytest.raises(ValueError, match="rank=-1 .* needs peer_failed=True"):
         comm.abort(rank=-1, reason="why")

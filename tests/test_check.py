@@ -12,14 +12,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from random_programs import random_program
 
-from megatron_p2p import check, program as prog
+from megatron_p2p import check
+from megatron_p2p import program as prog
 from megatron_p2p.program import ProgramBuilder, ProgramError, dumps, from_dict, load, loads, to_dict
 from megatron_p2p.simulate import simulate
 
-from random_programs import random_program
-
-PROGRAMS = Path(prog.__file__).parent / "programs"
+PROGRAMS = Path(__import__("megatron_p2p").__file__).parent / "programs"  # the shipped programs
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -387,7 +387,7 @@ class Oracle:
         self.program = program
         self.lane_steps = lane_steps
         self.by_channel = {}
-        for n, (r, c, s, i, op) in enumerate(self.ops):
+        for n, (r, _c, _s, _i, op) in enumerate(self.ops):
             src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
             self.by_channel[op.kind, src, dst, op.lane, self.seq[n]] = n
         self.awaited = {}
@@ -427,7 +427,7 @@ class Oracle:
 
     def _active(self, next_call, done) -> set[int]:
         active = set()
-        for (r, lane), steps in self.lane_steps.items():
+        for (r, _lane), steps in self.lane_steps.items():
             for c, s in steps:
                 ids = self.step_ops[r, c, s]
                 if all(n in done for n in ids):
@@ -565,6 +565,7 @@ def test_malformed_packed_streams_are_rejected_never_crash():
     ValueError naming the rank and position."""
     import random
     from array import array
+
     from megatron_p2p import _C
     rng = random.Random(7)
     rejected = 0

@@ -5,7 +5,6 @@ held Request still needs."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import ROOT, run_job
 
 FAKES = ROOT / "build" / "fakes"

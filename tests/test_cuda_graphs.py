@@ -4,7 +4,6 @@ and a Request made under capture is stream-ordered only."""
 from __future__ import annotations
 
 import pytest
-
 from test_nccl_model import fakes_built, run_ranks  # noqa: F401 - fakes_built is an autouse fixture
 
 REPLAYS = 100

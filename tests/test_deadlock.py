@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_job
 
 DETECTION_LIMIT = 1.0  # seconds from the cycle forming to the error; the goal is 0.1

@@ -4,7 +4,6 @@ the receiver compares with its own op before the data is launched."""
 from __future__ import annotations
 
 import pytest
-
 from test_nccl_model import FAKE_ENV, fakes_built, run_ranks  # noqa: F401 - fakes_built is an autouse fixture
 
 CHECK = {"MEGATRON_P2P_CHECK": "1"}

@@ -20,6 +20,7 @@ import two_process_checks  # noqa: E402
 
 CHECKS = two_process_checks.MAIN_PARTS + two_process_checks.FAULT_PARTS[1:] + ["watchdog_end"]
 LIMIT_S = 240  # the script's own step limit is 150 s
+torchrun = pytest.mark.torchrun  # the tests of the dry run: it launches torchrun jobs
 
 
 @pytest.fixture(scope="module")
@@ -37,29 +38,34 @@ def dry_run() -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads((DRY_RUN / "two_process.json").read_text())
 
 
+@torchrun
 def test_the_dry_run_passes_and_says_so(dry_run):
     proc, _ = dry_run
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "PASS two_process" in proc.stdout, proc.stdout[-3000:]
 
 
+@torchrun
 def test_the_dry_run_runs_two_processes_on_the_model(dry_run):
     _, summary = dry_run
     assert summary["target"] == "model" and summary["ranks"] == 2 and summary["path"] == "2 rank(s)", summary
 
 
+@torchrun
 @pytest.mark.parametrize("check", CHECKS)
 def test_every_two_process_check_passes_on_the_model_with_two_ranks(dry_run, check):
     result = dry_run[1]["checks"][check]
     assert result["ok"] and not result.get("skipped"), result
 
 
+@torchrun
 def test_the_steps_only_a_gpu_can_run_are_named_as_not_run(dry_run):
     proc, _ = dry_run
     for step in ("build", "gpu_checks", "gpu_exchange"):
         assert f"GPU ONLY {step} (" in proc.stdout, proc.stdout[-3000:]
 
 
+@torchrun
 def test_the_script_ends_with_every_checks_verdict_in_a_table(dry_run):
     rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]]
             for line in dry_run[0].stdout.splitlines() if line.count("|") == 2}

@@ -7,7 +7,6 @@ communicator of its own, and the tests below read their part of its result."""
 import os
 
 import pytest
-
 from conftest import run_job, shm_segments
 
 SLACK = 10.0  # a loaded 2-core machine: never assert tight timings

@@ -13,9 +13,8 @@ import subprocess
 import types
 from typing import Any
 
-import pytest
-
 import conftest
+import pytest
 from conftest import run_job, shm_segments
 
 SLACK = 10.0  # a loaded 2-core machine: never assert tight timings

@@ -9,10 +9,8 @@ One torchrun job (tests/workers/fork_cases.py, 2 ranks, shm) runs every case in 
 on a communicator of its own, both ranks forking at once; the tests read their case's part.
 Children run under a wall-clock limit (killed and reported hung past it), and the job under
 another, so that a case can fail but never hang."""
-import os
 
 import pytest
-
 from conftest import run_job, shm_segments
 
 CALL_LIMIT = 1.0  # seconds: a call on an inherited communicator raises at once, not at a timeout
@@ -37,7 +35,7 @@ def job():
     values = [r["value"] for r in ranks]
     pids = {p for v in values for p in v["pids"]}
     for v in values:
-        for name, sec in v.items():
+        for _name, sec in v.items():
             if isinstance(sec, dict):
                 child = sec.get("child") or {}
                 pids |= {p for p in [child.get("pid"), *(child.get("pids") or [])] if p}

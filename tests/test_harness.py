@@ -1,6 +1,5 @@
 """The harness itself: results come back per rank, and a hung job is killed with its stacks."""
 import pytest
-
 from conftest import run_job
 
 

@@ -19,7 +19,6 @@ outcomes a round may have, and why:
 import re
 
 import pytest
-
 from conftest import run_job
 
 ROUNDS = 240

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, WORKERS
 
 LIMIT = 0.2  # the promise

@@ -14,10 +14,9 @@ stage's bwd; an origin reads "<sender's global rank>:<direction>".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pytest
-
 from conftest import run_job
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -36,7 +35,7 @@ LANES = (1, 2)
 
 def configs(world: int) -> list[list]:
     topos = ("ring",) if world == 1 else ("chain", "ring")  # a one-rank chain has nothing to post
-    return [[t, m, l] for t in topos for m in MODES for l in LANES]
+    return [[t, m, lanes] for t in topos for m in MODES for lanes in LANES]
 
 
 def suite(world: int, *, huge: bool, dtypes=ALL_DTYPES, dtype_numels=("one", "4KiB", "4KiB+1")) -> dict:
@@ -61,7 +60,7 @@ class JobSpec:
     nproc: int
     params: dict[str, Any]
     timeout: float
-    env: Optional[dict[str, str]] = field(default=None)
+    env: dict[str, str] | None = field(default=None)
 
 
 SUBGROUPS = [[0, 2], [1, 3]]
@@ -128,7 +127,8 @@ def expected_checks(spec: dict, topo: str, rank: int, size: int) -> dict[str, in
         "dtypes": len(spec.get("dtypes", [])) * len(spec.get("dtype_numels", [])) * per_case,
         "sizes": len(spec.get("sizes", [])) * per_case,
         "huge": len(spec.get("huge", [])) * sum(recvs(topo, KINDS[s % 3], rank, size) for s in range(spec.get("huge_steps", 1))),
-        "inflight": len(spec.get("inflight", [])) * sum(recvs(topo, KINDS[k % 3], rank, size) for k in range(spec.get("inflight_depth", 0))),
+        "inflight": len(spec.get("inflight", []))
+        * sum(recvs(topo, KINDS[k % 3], rank, size) for k in range(spec.get("inflight_depth", 0))),
     }
     return {g: n for g, n in counts.items() if n}
 
@@ -189,8 +189,8 @@ def group_failures(results, groups, part="world"):
     return [f"rank {g}: {f['text']}" for g, v in enumerate(results) for f in v[part]["failures"] if f["group"] in groups]
 
 
-CONFIG_IDS = [f"{m}-lanes{l}" for m in MODES for l in LANES]
-CONFIG_PARAMS = [(m, l) for m in MODES for l in LANES]
+CONFIG_IDS = [f"{m}-lanes{lanes}" for m in MODES for lanes in LANES]
+CONFIG_PARAMS = [(m, lanes) for m in MODES for lanes in LANES]
 
 
 # ---- the tests ---------------------------------------------------------------------------------

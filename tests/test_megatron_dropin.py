@@ -11,11 +11,11 @@ import warnings
 
 import pytest
 import torch.distributed as dist
-
 from conftest import run_job
 
 import megatron_p2p as mp
-from megatron_p2p import ops, p2p_communication as ours
+from megatron_p2p import ops
+from megatron_p2p import p2p_communication as ours
 
 MEGATRON = "megatron.core.pipeline_parallel.p2p_communication"
 METHODS = ["recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
@@ -153,7 +153,7 @@ def test_timers_get_megatron_core_names_and_levels(job):
     """Every method starts and stops config.timers(name, log_level=2) with megatron-core's names."""
     names = set()
     for res in section(job, "methods"):
-        for method, records in res["parity"]["ours"].items():
+        for _method, records in res["parity"]["ours"].items():
             for r in records:
                 names.update(entry[1] for entry in r["timers"])
                 assert [e for e in r["timers"] if e[0] == "get" and e[2] is not None] == [

@@ -2,12 +2,10 @@
 the config prefix and every prototype must agree, and a wrong value must be caught."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 from nccl_wheel import wheel_dir
 

@@ -4,8 +4,8 @@ exactly those NCCL groups, lanes and calls."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_job
+
 import megatron_p2p as mp
 from megatron_p2p import _C
 

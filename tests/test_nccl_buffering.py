@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 V2_30 = 23007

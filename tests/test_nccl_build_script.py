@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 from nccl_wheel import wheel_dir
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from test_nccl_model import fakes_built, run_one  # noqa: F401 - fakes_built is an autouse fixture
 
 WORKER = "nccl_model_capture_rules.py"

@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import ROOT
 from nccl_wheel import header_version, wheel_dir
 

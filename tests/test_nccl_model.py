@@ -11,11 +11,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
-
 from conftest import ROOT, WORKERS, run_job
+
 from megatron_p2p import stall
 
 FAKES = ROOT / "build" / "fakes"
@@ -40,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_one(worker: str, params: dict[str, Any], env: Optional[dict[str, str]] = None, timeout: float = 60) -> dict:
+def run_one(worker: str, params: dict[str, Any], env: dict[str, str] | None = None, timeout: float = 60) -> dict:
     """Runs a worker as the only rank of a job, without torchrun (a second or two cheaper)."""
     with tempfile.TemporaryDirectory(prefix="mp2p-model-") as tmp:
         run_env = {k: v for k, v in os.environ.items() if not k.startswith("MPFAKE_")}
@@ -56,7 +56,7 @@ def run_one(worker: str, params: dict[str, Any], env: Optional[dict[str, str]] =
         return result["value"]
 
 
-def run_ranks(worker: str, nproc: int, params: dict[str, Any], env: Optional[dict[str, str]] = None,
+def run_ranks(worker: str, nproc: int, params: dict[str, Any], env: dict[str, str] | None = None,
               timeout: float = 90) -> list[dict]:
     return [r["value"] for r in run_job(worker, nproc, params, timeout=timeout, env={**FAKE_ENV, **(env or {})}).ok()]
 
@@ -718,7 +718,8 @@ STALL_CASES = {  # one 3-rank job runs them all, in this order (workers/nccl_mod
     "computing": {"case": "computing", "timeout": 60.0, "numel": 256, "compute": 3 * STALL_S},
     "slow": {"case": "slow", "timeout": 60.0, "numel": 256, "env": {"MPFAKE_NCCL_DELAY_MS": str(int(2000 * STALL_S))}},
 }
-# The sends' kernels start 2 s late (the old analysis named a cycle at 1.2 s) (the lane waits behind local device work), so for 3 s nothing
+# The sends' kernels start 2 s late (the old analysis named a cycle at 1.2 s) (the lane waits behind local
+# device work), so for 3 s nothing
 # is buffered and both hosts wait on sends whose receives are not posted. Two ranks alone: a third
 # that publishes no wait would keep any cycle from being named, and the case would prove nothing.
 BUFFERED_LATE = {"case": "send_send", "timeout": 30.0, "numel": 256,

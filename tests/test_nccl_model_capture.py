@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, WORKERS
 
 FAKES = ROOT / "build" / "fakes"

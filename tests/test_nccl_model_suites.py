@@ -12,14 +12,25 @@ import importlib.util
 from typing import Any
 
 import pytest
-
 from conftest import run_job
-from test_matching import (ALL_DTYPES, CONFIG_IDS, CONFIG_PARAMS, LANES, STEPS, configs, exchange_problems,
-                           expected_checks, expected_origins, group_failures, problems, recvs, report)
+from test_matching import (
+    ALL_DTYPES,
+    CONFIG_IDS,
+    CONFIG_PARAMS,
+    LANES,
+    STEPS,
+    configs,
+    exchange_problems,
+    expected_checks,
+    expected_origins,
+    group_failures,
+    problems,
+    recvs,
+    report,
+)
 from test_megatron_dropin import CONFIGS as METHOD_CONFIGS
 from test_megatron_dropin import METHODS, SCHEDULES, mcore, section  # noqa: F401 (mcore: a fixture)
-from test_nccl_model import (ABOVE_BOUND, FAKE_ENV, SILENT_SELF, STALL_ENV, fakes_built,  # noqa: F401 (autouse)
-                             run_one, run_ranks)
+from test_nccl_model import ABOVE_BOUND, FAKE_ENV, SILENT_SELF, STALL_ENV, fakes_built, run_one, run_ranks  # noqa: F401 (autouse)
 
 KiB, MiB = 1 << 10, 1 << 20
 SLACK = 10.0  # a loaded 2-core machine: never assert tight timings
@@ -200,7 +211,7 @@ def test_naive_send_first_ring_is_named_as_a_deadlock_on_every_rank_long_before_
 # ---- the P2PCommunicator drop-in and megatron-core's schedules ------------------------------
 
 @pytest.fixture
-def megatron(mcore, suites) -> list[dict]:
+def megatron(mcore, suites) -> list[dict]:  # noqa: F811 - mcore: the imported fixture, requested
     """Every rank's megatron part; skips where megatron-core does not import (mcore)."""
     return part(suites, "megatron")
 

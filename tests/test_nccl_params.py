@@ -14,10 +14,9 @@ import os
 import pwd
 import subprocess
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
-
 from conftest import ROOT, run_job
 
 FAKES = ROOT / "build" / "fakes"
@@ -120,7 +119,7 @@ N = BLOCKING
 
 
 def read(reader: Path, tmp_path: Path, files: dict[str, str], env: dict[str, str],
-         version: int = V2_30) -> tuple[int, str, Optional[str]]:
+         version: int = V2_30) -> tuple[int, str, str | None]:
     """(value, where from, which file: user, home or system) as nccl_param.c reads N, with the
     files written as given: user is NCCL_CONF_FILE's (where env names "{user}"), system stands in
     for /etc/nccl.conf."""

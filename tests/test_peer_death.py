@@ -13,10 +13,10 @@ import time
 from typing import Any
 
 import pytest
-
 from conftest import Job, run_job
-from megatron_p2p.nccl import NO_RANK, STORE_HOST_SETTLE_SECONDS, PeerWatch, ProcessIdentity
 from test_nccl_model import FAKE_ENV, fakes_built  # noqa: F401 - fakes_built is an autouse fixture
+
+from megatron_p2p.nccl import NO_RANK, STORE_HOST_SETTLE_SECONDS, PeerWatch, ProcessIdentity
 
 TIMEOUT = 60.0  # the communicator's: every report asserted below comes long before it
 REPORTED_WITHIN = 3.0  # seconds from the death to the failed wait (about 0.1 s on an idle machine)

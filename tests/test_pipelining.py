@@ -4,7 +4,6 @@ the same worker with the same seeds, compared bit for bit (workers/pipelining_ru
 per world size, every configuration in it)."""
 import pytest
 import torch.distributed as dist
-
 from conftest import run_job
 
 import megatron_p2p as mp

@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import run_job
-from megatron_p2p import program, simulate
 from random_programs import random_program
+
+from megatron_p2p import program, simulate
 
 PROGRAMS = Path(__import__("megatron_p2p").__file__).parent / "programs"
 COUNT = int(os.environ.get("MEGATRON_P2P_VERIFY_REPLAYS", "20"))

@@ -4,7 +4,6 @@ ordering bug they avoid is reported rather than hung.
 Each multi-rank job starts torchrun (seconds on a small machine), so one job covers many
 configurations and the tests below read their part of its result."""
 import pytest
-
 from conftest import run_job
 
 WORLD = 8  # ring and chain sizes 2..WORLD run in one job, on sub-communicators

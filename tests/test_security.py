@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_job
 
 OTHER_UID = 65534  # nobody

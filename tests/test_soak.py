@@ -8,7 +8,6 @@ through MEGATRON_P2P_SOAK_EXCHANGES and MEGATRON_P2P_SOAK_COMMUNICATORS."""
 import os
 
 import pytest
-
 from conftest import run_job
 
 EXCHANGES = int(os.environ.get("MEGATRON_P2P_SOAK_EXCHANGES", "3000"))

@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_trace import clean_pair, op, send_first_ring, write_dump
 
 from megatron_p2p import check, timeline, trace
 from megatron_p2p.program import load
 from megatron_p2p.simulate import simulate
-
-from test_trace import clean_pair, op, send_first_ring, write_dump
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "megatron_p2p" / "programs"

@@ -12,14 +12,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
+from conftest import run_job
 
 from megatron_p2p import check, flight_recorder, program, trace
 from megatron_p2p.simulate import simulate
-
-from conftest import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 COMM = "5eedc0de"
@@ -27,7 +26,7 @@ COMM = "5eedc0de"
 
 # ---- writing synthetic dumps ----------------------------------------------------------------
 
-def op(kind: str, peer: int, seq: int, *, lane: int = 0, step: Optional[int] = None, call: Optional[int] = None,
+def op(kind: str, peer: int, seq: int, *, lane: int = 0, step: int | None = None, call: int | None = None,
        nbytes: int = 64, dtype: str = "float32", state: str = "completed", error: str = "", waited: bool = True,
        call_name: str = "", group_size: int = 1) -> dict[str, Any]:
     """One recent_ops() entry; step and call default to one per op, numbered by write_dump."""
@@ -38,7 +37,7 @@ def op(kind: str, peer: int, seq: int, *, lane: int = 0, step: Optional[int] = N
 
 
 def write_dump(directory: Path, rank: int, ops: list[dict], *, ranks: tuple[int, ...] = (0, 1), lanes: int = 2,
-               reason: str = "exit", error: Optional[str] = None, time: float = 2000.0, comm: str = COMM,
+               reason: str = "exit", error: str | None = None, time: float = 2000.0, comm: str = COMM,
                **override: Any) -> Path:
     steps: dict[int, int] = {}
     for i, entry in enumerate(ops):

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import WORKERS, run_job
 from test_nccl_model import FAKE_ENV, fakes_built, run_one  # noqa: F401 - fakes_built is an autouse fixture
 

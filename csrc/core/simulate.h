@@ -72,7 +72,6 @@ int mp_sim_run(mp_sim *sim);
 mp_sim_verdict mp_sim_result(const mp_sim *sim);
 /* Rounds until everything completed (ok), or until the last op completed. */
 int64_t mp_sim_rounds(const mp_sim *sim);
-int64_t mp_sim_num_ops(const mp_sim *sim);
 /* Mismatch: the first disagreeing pair in simulated time. */
 void mp_sim_mismatch(const mp_sim *sim, mp_sim_op_info *send, mp_sim_op_info *recv);
 /* Deadlock: the cycle (closed: 1) or, when none exists, the chain of waits that ends at a rank

@@ -277,7 +277,6 @@ done:
 
 mp_sim_verdict mp_sim_result(const mp_sim *sim) { return sim->verdict; }
 int64_t mp_sim_rounds(const mp_sim *sim) { return sim->rounds; }
-int64_t mp_sim_num_ops(const mp_sim *sim) { return sim->nops; }
 int64_t mp_sim_num_pending(const mp_sim *sim) { return sim->npending; }
 
 void mp_sim_mismatch(const mp_sim *sim, mp_sim_op_info *send, mp_sim_op_info *recv)

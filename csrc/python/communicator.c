@@ -74,7 +74,9 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     int cause = self->group_rank;
-    int outside = rank_obj != Py_None && PyLong_Check(rank_obj) && PyLong_AsLong(rank_obj) == MP_RANK_OUTSIDE;
+    int overflow = 0; /* a rank past a long is no rank: mp_comm_group_rank names it below */
+    int outside = rank_obj != Py_None && PyLong_Check(rank_obj) &&
+                  PyLong_AsLongAndOverflow(rank_obj, &overflow) == MP_RANK_OUTSIDE && !overflow;
     if (outside && !peer_failed) {
         PyErr_SetString(PyExc_ValueError, "abort(): rank=-1 (a cause outside the group) needs peer_failed=True");
         return NULL;

@@ -202,7 +202,7 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
     /* A backend of megatron_p2p._testing (the null transport), never one of _C's own. */
     int is_local = local_open && strcmp(backend, local_name) == 0;
     if (!is_nccl && !is_local && strcmp(backend, "shm") != 0)
-        return PyErr_Format(PyExc_ValueError, "backend must be 'shm' or 'nccl', got %R", PyTuple_GET_ITEM(args, 0));
+        return PyErr_Format(PyExc_ValueError, "backend must be 'shm' or 'nccl', got '%s'", backend);
     if (lanes != 1 && lanes != 2)
         return PyErr_Format(PyExc_ValueError, "lanes must be 1 (one ordered queue) or 2 (one per direction), got %d",
                             lanes);

@@ -14,8 +14,9 @@ import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ class _Gpu:
         torch.cuda.empty_cache()
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator["_GpuGraph"]:
+    def capture(self) -> Iterator[_GpuGraph]:
         graph = _GpuGraph()
         with torch.cuda.graph(graph.graph):  # capture_error_mode "global", torch's default
             yield graph
@@ -129,7 +130,7 @@ class _Model:
         pass
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator["_ModelGraph"]:
+    def capture(self) -> Iterator[_ModelGraph]:
         """As torch.cuda.graph does: a side stream captures in the global mode, then the
         previous current stream is current again."""
         cuda = self.driver

@@ -39,17 +39,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parents[1]))  # the source tree, when not installed
 sys.path.append(str(HERE.parents[1] / "benchmarks"))
-import megatron_p2p as mp  # noqa: E402
 import target  # noqa: E402
 import two_process_faults as faults  # noqa: E402
 from launch import job_pids  # noqa: E402
+
+import megatron_p2p as mp  # noqa: E402
 
 WORKER = HERE / "two_process_worker.py"
 # graph_abort last: a rank that hangs in it (each call is bounded by a thread join) loses no other part.
@@ -72,13 +73,13 @@ END_WITHIN_S = 10.0
 @dataclass
 class Job:
     nproc: int
-    returncode: Optional[int]  # None: killed at its limit
+    returncode: int | None  # None: killed at its limit
     output: str
     ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: part -> result ({} if none)
     ended_at: float = 0.0  # time.time() when the launcher was done
 
 
-def _signal_job(token: str, sig: int, spare: Optional[int] = None) -> None:
+def _signal_job(token: str, sig: int, spare: int | None = None) -> None:
     for pid in job_pids(f"MP_GPU_JOB_TOKEN={token}"):
         if pid == spare:
             continue
@@ -98,7 +99,7 @@ def _end_running_job(signum: int, frame: Any) -> None:
     sys.exit(128 + signum)
 
 
-def launch(nproc: int, parts: list[str], out: Path, limit: float, env: dict[str, Optional[str]]) -> Job:
+def launch(nproc: int, parts: list[str], out: Path, limit: float, env: dict[str, str | None]) -> Job:
     """Runs the worker on `nproc` ranks, echoing its output as it comes; past `limit` seconds the
     ranks dump their stacks and the job is killed. env: variables to set (None: to unset)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +128,7 @@ def launch(nproc: int, parts: list[str], out: Path, limit: float, env: dict[str,
     reader = threading.Thread(target=echo, daemon=True)
     reader.start()
     try:
-        returncode: Optional[int] = proc.wait(timeout=limit)
+        returncode: int | None = proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
         print(f"  the job passed its {limit:.0f} s limit: stacks, then kill", flush=True)
         _signal_job(token, signal.SIGUSR1, spare=proc.pid)  # SIGUSR1 would end torchrun and its store
@@ -209,10 +210,10 @@ def run_all(out: Path, budget: float, model: bool = False) -> dict[str, Any]:
     nproc, why, versions = choose_ranks()
     print(why, flush=True)
 
-    def multi(n: int) -> dict[str, Optional[str]]:
+    def multi(n: int) -> dict[str, str | None]:
         return {ENV_MULTI_RANK: "1"} if n > 1 else {}
 
-    def main_job(n: int, extra: dict[str, Optional[str]]) -> Job:
+    def main_job(n: int, extra: dict[str, str | None]) -> Job:
         limit = max(10.0, min(MAIN_LIMIT_S, deadline - time.monotonic() - FAULTS_LIMIT_S - END_LIMIT_S))
         where = out / f"main_{n}rank{'_nocumem' if extra else ''}"
         return launch(n, MAIN_PARTS, where, limit, {**multi(n), ENV_HANDLING: "raise", **extra})
@@ -264,7 +265,7 @@ def run_all(out: Path, budget: float, model: bool = False) -> dict[str, Any]:
     return summary
 
 
-def _word(check: Optional[dict[str, Any]]) -> str:
+def _word(check: dict[str, Any] | None) -> str:
     if check is None:
         return "-"
     return "SKIP" if check.get("skipped") else "PASS" if check["ok"] else "FAIL"

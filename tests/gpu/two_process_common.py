@@ -9,14 +9,16 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the source tree, when not installed
-import megatron_p2p as mp  # noqa: E402
 import target  # noqa: E402
+
+import megatron_p2p as mp  # noqa: E402
 
 T = target.make()  # a GPU, or the model (the dry run)
 WATCHDOG_TIMEOUT_S = 3.0

@@ -30,12 +30,14 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import target
 import torch
 from two_process_common import T, communicator, full, mp, pattern, raised, same_bytes, settle, zeros
+
 from megatron_p2p import program, replay, simulate
 from megatron_p2p.communicator import _env_rendezvous
 
@@ -190,7 +192,7 @@ def peer_death(comm: mp.Communicator) -> dict:
 
 
 REPLAYED = {"torch_interleaved_pp2.json": "ok", "torch_defer_pp_recv_interleaved_pp2.json": "deadlock"}
-PROGRAMS = Path(program.__file__).resolve().parent / "programs"
+PROGRAMS = Path(mp.__file__).resolve().parent / "programs"
 
 
 def _every_op_sized(obj: Any, nbytes: int) -> Any:

@@ -23,16 +23,34 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
-from two_process_common import (MICROBATCHES, SIZES, DTYPES, T, WATCHDOG_LOG, WATCHDOG_TIMEOUT_S, OneFOneB, bounded,
-                                communicator, empty_like, full, mp, pattern, raised, same_bytes, settle, silent,
-                                stall_or_skip, zeros)
 import two_process_faults
 import two_process_schedules
+from two_process_common import (
+    DTYPES,
+    MICROBATCHES,
+    SIZES,
+    WATCHDOG_LOG,
+    WATCHDOG_TIMEOUT_S,
+    OneFOneB,
+    T,
+    bounded,
+    communicator,
+    empty_like,
+    full,
+    mp,
+    pattern,
+    raised,
+    same_bytes,
+    settle,
+    silent,
+    stall_or_skip,
+    zeros,
+)
 
 # ---- parts -----------------------------------------------------------------------------------------
 

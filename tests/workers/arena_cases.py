@@ -429,7 +429,7 @@ def forged_offer(ctx, forge):
         landed = (ctypes.c_uint8 * FORGED_NBYTES).from_address(lo[0] + target)
         out["landed_where_pointed"] = bool(torch.equal(torch.frombuffer(landed, dtype=torch.uint8), payload))
     ctx.sync(f"forged-{forge}")
-    del req, buf
+    req = buf = None  # the arena buffer released before close
     comm.close()
     return out
 

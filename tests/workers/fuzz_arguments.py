@@ -16,7 +16,8 @@ import math
 import sys
 import types
 from collections import Counter
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import harness
 import numpy as np
@@ -51,7 +52,7 @@ def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def dense(dtype: torch.dtype, shape: tuple[int, ...], fill: Optional[int]) -> torch.Tensor:
+def dense(dtype: torch.dtype, shape: tuple[int, ...], fill: int | None) -> torch.Tensor:
     """Contiguous, with random bytes from `fill` (a seed), or 0xEE when fill is None."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
@@ -64,7 +65,7 @@ def dense(dtype: torch.dtype, shape: tuple[int, ...], fill: Optional[int]) -> to
     return raw.view(dtype).reshape(shape)
 
 
-def build(r: Recipe, fill: Optional[int]) -> Any:
+def build(r: Recipe, fill: int | None) -> Any:
     dtype, shape = dtype_of(r.dtype), r.shape
     if r.form == "dense":
         return dense(dtype, shape, fill)
@@ -207,7 +208,8 @@ init_case = st.fixed_dictionaries(
     {"api": st.just("init_communicator"),
      "kwargs": st.fixed_dictionaries({}, optional={
          "group": st.sampled_from([None, WORLD, "<object>"]), "backend": st.one_of(st.just("shm"), junk),
-         "timeout": st.one_of(st.just(30.0), st.sampled_from([0.0, -1.0, math.nan, math.inf, -math.inf, 1e300]), junk), "lanes": st.one_of(st.sampled_from([1, 2]), junk),
+         "timeout": st.one_of(st.just(30.0), st.sampled_from([0.0, -1.0, math.nan, math.inf, -math.inf, 1e300]), junk),
+         "lanes": st.one_of(st.sampled_from([1, 2]), junk),
          "eager_threshold": st.one_of(st.sampled_from([0, 64]), junk), "device": st.one_of(st.just("cpu"), junk),
          "high_priority": st.one_of(st.booleans(), junk)})})
 
@@ -249,7 +251,7 @@ class RecipeError(Exception):
     """The test could not build a tensor it drew: a bug of this test, not a finding."""
 
 
-def as_arg(x: Any, rank: int, fill: Optional[int]) -> Any:
+def as_arg(x: Any, rank: int, fill: int | None) -> Any:
     if not isinstance(x, Recipe):
         return resolve(x, rank)
     try:
@@ -479,7 +481,7 @@ class Session:
         self.cases = 0
         self.tally: Counter[str] = Counter()
 
-    def step(self) -> Optional[list[str]]:
+    def step(self) -> list[str] | None:
         """Plays the case rank 0 broadcasts (None when the run is over)."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)

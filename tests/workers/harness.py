@@ -12,8 +12,9 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 # Workers import the package from the source tree when it is not installed.
 sys.path.append(str(Path(__file__).resolve().parents[2]))
@@ -69,7 +70,7 @@ def run(body: Callable[[dict[str, Any]], Any]) -> None:
 
 
 @contextlib.contextmanager
-def environ(env: Optional[dict[str, str]]) -> Iterator[None]:
+def environ(env: dict[str, str] | None) -> Iterator[None]:
     """`env` set in os.environ for the block (the model and the package read options at
     creation), and what was there before put back."""
     saved = {k: os.environ.get(k) for k in env or {}}

@@ -4,6 +4,7 @@ import harness
 
 def body(params):
     import torch
+
     import megatron_p2p as mp
 
     with mp.init_communicator(timeout=10.0) as comm:

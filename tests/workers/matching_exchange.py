@@ -314,7 +314,8 @@ class Runner:
             chk.fail(config, "batch", where, f"batch_isend_irecv returned {len(reqs)} requests for 4 ops")
         for s, r in zip(order, reqs):
             t = tensors[s]
-            chk.check_request(config, "batch", where, s, r, peer[s], 0, t.numel() * t.element_size(), self.seqs, s.startswith("send"))
+            chk.check_request(config, "batch", where, s, r, peer[s], 0, t.numel() * t.element_size(), self.seqs,
+                              s.startswith("send"))
         wait_all(list(zip(order, reqs)), where, self.backend)
         self.check_exchange(config, "batch", where, number, tensors)
 
@@ -407,9 +408,9 @@ def run_suite(torch, mp, group, suite, expect_single_copy, backend):
                     number, tensors, reqs = run.post_exchange(config, "inflight", topo, mode, kind, shape, shape, where,
                                                                  fresh=True)
                     posted.append((where, number, tensors, reqs))
-                for where, number, tensors, reqs in posted:
+                for where, _number, _tensors, reqs in posted:
                     wait_all(list(reqs.items()), where, run.backend)
-                for where, number, tensors, reqs in posted:
+                for where, number, tensors, _reqs in posted:
                     run.check_exchange(config, "inflight", where, number, tensors)
 
         section(config, lanes, exchanges)

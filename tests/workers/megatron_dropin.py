@@ -240,7 +240,7 @@ def config_for(torch, ModelParallelConfig, batch, variable, pipeline_dtype=None,
 
 
 def section_methods(ctx):
-    torch, mp, dist = ctx["torch"], ctx["mp"], ctx["dist"]
+    torch, dist = ctx["torch"], ctx["dist"]
     out = {}
     world = ctx["world_group"]
     for batch in (False, True):
@@ -274,7 +274,7 @@ def pair_group(ctx):
 
 def section_pp2(ctx):
     """Two pipelines of 2 ranks each ({0,1} and {2,3})."""
-    torch, mp = ctx["torch"], ctx["mp"]
+    torch = ctx["torch"]
     rank = ctx["rank"]
     me, peer = rank % 2, rank ^ 1
     group = pair_group(ctx)
@@ -421,7 +421,7 @@ def section_cuda_only(ctx):
 def section_overlap_1f1b(ctx):
     """send_forward_recv_backward / send_backward_recv_forward with overlap_p2p_comm=True, in
     both modes: (tensor, handles) with the posted ops' names, right values once waited."""
-    torch, mp = ctx["torch"], ctx["mp"]
+    torch = ctx["torch"]
     world = ctx["world_group"]
     rank = ctx["rank"]
     first, last = rank == 0, rank == 3
@@ -542,6 +542,7 @@ def section_legacy(ctx):
     pipeline group."""
     torch, mp = ctx["torch"], ctx["mp"]
     from megatron.core import parallel_state
+
     from megatron_p2p import p2p_communication as p2p_mod
 
     rank = ctx["rank"]
@@ -646,7 +647,7 @@ def run_schedule(ctx, kind, pp_ranks, vpp, batch, variable, overlap, how):
     p2p_communicator= with pg_collection=), "patched" (neither passed: megatron-core builds
     the communicator from parallel_state, under patch_megatron()). Models and data on
     ctx["device"] (default the CPU)."""
-    torch, mp = ctx["torch"], ctx["mp"]
+    torch = ctx["torch"]
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -846,8 +847,9 @@ def prepare():
         import torch
 
         _PREPARED["mode"] = install_shim(torch)
-        import megatron_p2p  # noqa: F401
         from megatron.core.pipeline_parallel import schedules  # noqa: F401
+
+        import megatron_p2p  # noqa: F401
     return _PREPARED["mode"]
 
 
@@ -856,10 +858,10 @@ def run_all(params, backend, seconds=None):
     t0 = time.monotonic()
     import torch
     import torch.distributed as dist
-
-    import megatron_p2p as mp
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator as McoreP2P
+
+    import megatron_p2p as mp
 
     CudaToCpu = prepare()
     rank = dist.get_rank()

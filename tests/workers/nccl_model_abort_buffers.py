@@ -66,6 +66,7 @@ def run_case(mp, torch, on, nccl, rank, case, delay_s):
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     nccl = ctypes.CDLL(os.environ["MEGATRON_P2P_NCCL_LIBRARY"])

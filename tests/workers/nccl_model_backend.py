@@ -7,7 +7,7 @@ wait. On a GPU the compute that reads a received tensor runs on that stream, aft
 the model that compute is the host, so it must also synchronize() before reading."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 BACKENDS = ("shm", "nccl")
 
@@ -34,7 +34,7 @@ class Backend:
 
         return t.as_subclass(nccl_model_cuda.FakeCudaTensor)
 
-    def settle(self, request: Any, timeout: Optional[float] = None) -> None:
+    def settle(self, request: Any, timeout: float | None = None) -> None:
         """Waits as a pipeline does, then until the request's bytes are where the host reads them."""
         request.wait(timeout)
         if self.nccl:
@@ -53,7 +53,7 @@ class SettlingRequest:
         self._request = request
         self._backend = backend
 
-    def wait(self, timeout: Optional[float] = None) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         self._backend.settle(self._request, timeout)
 
     def __getattr__(self, name: str) -> Any:

@@ -12,7 +12,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 fakes, log_path = sys.argv[1], sys.argv[2]
 os.environ["MPFAKE_CUDA_CAPTURE_LOG"] = log_path

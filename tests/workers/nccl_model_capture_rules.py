@@ -28,6 +28,7 @@ def aborting_threads() -> int:
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     cuda = nccl_model_cuda.driver()

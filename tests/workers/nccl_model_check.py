@@ -21,6 +21,7 @@ RECEIVED = {"agree": ((10, 100), "float32"), "count": ((999,), "int32"), "dtype"
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     def tensor(spec):

@@ -24,6 +24,7 @@ def c_getenv(name: str):
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     made = []

@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

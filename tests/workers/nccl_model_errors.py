@@ -16,6 +16,7 @@ import nccl_model_cuda
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     out = {"stale": None}

@@ -13,6 +13,7 @@ def digest(t) -> str:
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     on = nccl_model_cuda.on_device

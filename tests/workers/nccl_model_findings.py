@@ -25,6 +25,7 @@ def current_context(cuda) -> int:
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     on = nccl_model_cuda.on_device

@@ -14,6 +14,7 @@ import nccl_model_cuda
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     comm = mp.init_communicator(backend="nccl", timeout=20.0)

@@ -18,6 +18,7 @@ p = ctypes.c_void_p
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     cuda = nccl_model_cuda.driver()

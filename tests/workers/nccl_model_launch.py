@@ -1,6 +1,7 @@
 """The NCCL data path's launches on the model: how many threads NCCL starts for the exchanges
 (case "threads"; with params["poll_every"], a thread polls comm.watchdog_check() meanwhile, as
-the watchdog does, and the model counts NCCL calls made in parallel on one communicator), and a launch that must connect to a peer outside the warm-up's ring (case
+the watchdog does, and the model counts NCCL calls made in parallel on one communicator), and a launch
+that must connect to a peer outside the warm-up's ring (case
 "connect": rank 0 sends to rank 2 of 4, which posts its receive after params["peer_delay"]
 seconds, or never when it is None)."""
 import ctypes
@@ -15,6 +16,7 @@ import nccl_model_cuda
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     on = nccl_model_cuda.on_device

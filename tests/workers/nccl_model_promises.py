@@ -7,7 +7,6 @@ import os
 import sys
 import threading
 import time
-from typing import Optional
 
 fakes = sys.argv[1]
 os.environ["MPFAKE_CUDA_DEVICES"] = "2"  # two devices, each with its own launch order (read by cuInit)
@@ -91,7 +90,8 @@ out["self_bytes"] = list(dst)
 assert cuda.cuCtxSetCurrent(None) == 0
 out["send_without_context"] = nccl.ncclSend(src, 8, 1, 0, comm, a)
 assert cuda.cuCtxSetCurrent(ctx) == 0
-out["send_before_abort"] = nccl.ncclGroupStart(), nccl.ncclSend(src, 8, 1, 0, comm, a), nccl.ncclRecv(dst, 8, 1, 0, comm, a), nccl.ncclGroupEnd()
+out["send_before_abort"] = (nccl.ncclGroupStart(), nccl.ncclSend(src, 8, 1, 0, comm, a),
+                            nccl.ncclRecv(dst, 8, 1, 0, comm, a), nccl.ncclGroupEnd())
 assert nccl.ncclCommAbort(comm) == 0
 out["send_after_abort"] = nccl.ncclSend(src, 8, 1, 0, comm, a)
 out["after_abort_says"] = nccl.ncclGetLastError(comm).decode()
@@ -170,7 +170,7 @@ UNDEF = -2147483648
 
 
 def new_comm(nranks: int = 1, rank: int = 0, the_uid: UniqueId = None, blocking: bool = True,
-             split_share: Optional[int] = None) -> p:
+             split_share: int | None = None) -> p:
     """A communicator; with `split_share`, made with a config through splitShare (2.18)."""
     if the_uid is None:
         the_uid = UniqueId()

@@ -53,6 +53,7 @@ def run_case(mp, torch, on, case, rank):
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     rank = int(os.environ["RANK"])

@@ -12,6 +12,7 @@ import nccl_model_cuda
 def body(params):
     nccl_model_cuda.install()
     import torch
+
     import megatron_p2p as mp
 
     on = nccl_model_cuda.on_device

@@ -19,7 +19,6 @@ layouts (transposed activations over megatron_p2p against contiguous ones over g
 raises, how fast).
 params: configs and layout_configs (lists of [class, stages_per_rank, microbatches, given]),
 defer (list of [class, stages_per_rank, microbatches, uniform]), timeout."""
-import time
 
 import harness
 

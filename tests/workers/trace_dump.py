@@ -20,6 +20,7 @@ import harness
 
 def body(params):
     import torch
+
     import megatron_p2p as mp
 
     comm = mp.init_communicator(timeout=30.0)
