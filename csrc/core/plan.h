@@ -6,6 +6,9 @@
 /* The four ops of an exchange, named as megatron-core names them. */
 typedef enum { MP_SEND_NEXT = 0, MP_RECV_PREV = 1, MP_SEND_PREV = 2, MP_RECV_NEXT = 3, MP_NUM_SLOTS = 4 } mp_slot;
 
+/* Lanes a communicator may have: 1 (one ordered queue) or 2 (lane 0 forward, lane 1 backward). */
+#define MP_MAX_LANES 2
+
 typedef enum {
     MP_MODE_PARITY = 0,  /* megatron's _p2p_ops: one op per step, order by the parity of the rank */
     MP_MODE_BATCHED = 1, /* megatron's _batched_p2p_ops: the ops of a lane in one group */

@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "plan.h"
 #include "simulate.h"
 
 enum { KIND_SEND = 0, KIND_RECV = 1 };
@@ -36,7 +37,7 @@ typedef struct {
 
 typedef struct {
     int32_t send_off, nsend, recv_off, nrecv; /* into chan_ops: sends then receives, in seq order */
-    int32_t published, recv_done, issued[2];
+    int32_t published, recv_done, issued[MP_MAX_LANES];
     uint8_t scheduled;
 } sim_chan;
 

@@ -17,8 +17,18 @@ typedef struct mp_transport mp_transport;
  * no rank at all): a report then names no rank rather than the one that writes it. */
 #define MP_RANK_OUTSIDE (-1)
 
+/* What a transport can do (mp_transport_ops.caps). The layer above asks these, never a name. */
+/* Its ops run in device stream order: begin() fences a call after the caller's stream, wait()
+ * makes a stream wait (stream_wait) and leaves the host free, and a failed op's device work may
+ * outlive it (failed_ops_running). Without it, wait() blocks the host. */
+#define MP_CAP_DEVICE_STREAMS (1u << 0)
+/* begin() and end() may wait for another thread's posting (a lock held across a launch): the
+ * bindings then call them with the GIL released. Without it they take a few instructions. */
+#define MP_CAP_BEGIN_END_MAY_WAIT (1u << 1)
+
 typedef struct {
-    const char *name;
+    const char *name; /* for messages only */
+    unsigned caps;    /* MP_CAP_* */
     /* Takes ownership of `step` (from malloc); its ops are left QUEUED and reach DONE later. Fails only when
      * the communicator is aborted or closed (nothing is posted then). */
     mp_result (*post)(mp_transport *t, mp_step *step);
@@ -38,11 +48,7 @@ typedef struct {
     /* Stops progress, fails what is pending with MP_ERR_CLOSED, frees everything. */
     void (*destroy)(mp_transport *t);
 
-    /* Whether begin() and end() may wait for another thread's posting (a lock held across a
-     * launch): the bindings then call them with the GIL released. shm's take a few instructions. */
-    int begin_end_may_wait;
-
-    /* Optional (NULL: not needed). */
+    /* Optional: NULL takes the default that the mp_transport_* calls below give. */
     /* Before the steps of one call: the work posted next starts after what `stream` holds
      * (device transports; NULL on the CPU). */
     mp_result (*begin)(mp_transport *t, void *stream);
@@ -63,6 +69,8 @@ typedef struct {
     /* Whether device work of ops that failed (an abort fails them at once) may still read or write
      * their buffers, which the bindings keep alive until this says 0 (device transports). */
     int (*failed_ops_running)(mp_transport *t);
+    /* Whether `peer`'s messages reach this rank with one copy (default 1: no host copy at all). */
+    int (*single_copy)(mp_transport *t, int peer);
 } mp_transport_ops;
 
 struct mp_transport {
@@ -75,5 +83,50 @@ struct mp_transport {
      * The stall analysis takes sends at or under it as buffered, so a cycle it names is certain. */
     uint64_t buffered_at_most;
 };
+
+/* The optional slots, with their defaults: the layer above calls these, never a slot itself. */
+static inline unsigned mp_transport_caps(const mp_transport *t) { return t->ops->caps; }
+
+static inline mp_result mp_transport_begin(mp_transport *t, void *stream)
+{
+    return t->ops->begin ? t->ops->begin(t, stream) : MP_OK;
+}
+
+static inline mp_result mp_transport_end(mp_transport *t) { return t->ops->end ? t->ops->end(t) : MP_OK; }
+
+static inline void mp_transport_progress(mp_transport *t)
+{
+    if (t->ops->progress)
+        t->ops->progress(t);
+}
+
+/* Only with MP_CAP_DEVICE_STREAMS; without it there is no stream to order. */
+static inline mp_result mp_transport_stream_wait(mp_transport *t, mp_op *op, void *stream)
+{
+    return t->ops->stream_wait ? t->ops->stream_wait(t, op, stream) : MP_OK;
+}
+
+static inline void mp_transport_failure_report(mp_transport *t, const mp_op *op, char *buf, size_t len)
+{
+    if (len)
+        buf[0] = '\0';
+    if (t->ops->failure_report)
+        t->ops->failure_report(t, op, buf, len);
+}
+
+static inline mp_result mp_transport_watch(mp_transport *t, double timeout, char *detail, size_t len)
+{
+    return t->ops->watch ? t->ops->watch(t, timeout, detail, len) : MP_OK;
+}
+
+static inline int mp_transport_failed_ops_running(mp_transport *t)
+{
+    return t->ops->failed_ops_running ? t->ops->failed_ops_running(t) : 0;
+}
+
+static inline int mp_transport_single_copy(mp_transport *t, int peer)
+{
+    return t->ops->single_copy ? t->ops->single_copy(t, peer) : 1;
+}
 
 #endif

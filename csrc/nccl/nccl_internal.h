@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stddef.h>
 
+#include "core/plan.h"
 #include "match_check.h"
 #include "nccl_transport.h"
 
@@ -49,7 +50,7 @@ typedef struct {
     mp_CUdeviceptr scratch;  /* warm-up buffers */
     double timeout;
     const mp_interrupt *interrupt; /* the caller's, while creation waits for the group */
-    lane_t lanes[2];
+    lane_t lanes[MP_MAX_LANES];
     fence *spare;            /* recycled fences, each with its event */
     fence *draining;         /* fences of steps an abort failed, until their kernels are over (nccl_drain.c) */
     /* Fences recorded during a CUDA graph capture, never queried: ordering inside the capture

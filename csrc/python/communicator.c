@@ -118,7 +118,7 @@ static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignor
 {
     mp_transport *t = self->transport;
     char detail[256] = "";
-    mp_result cause = t && t->ops->watch ? t->ops->watch(t, self->timeout, detail, sizeof detail) : MP_OK;
+    mp_result cause = t ? mp_transport_watch(t, self->timeout, detail, sizeof detail) : MP_OK;
     if (cause == MP_OK)
         Py_RETURN_NONE;
     PyObject *report = mp_comm_pending_report(self);

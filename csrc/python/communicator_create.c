@@ -203,7 +203,7 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
     int is_local = local_open && strcmp(backend, local_name) == 0;
     if (!is_nccl && !is_local && strcmp(backend, "shm") != 0)
         return PyErr_Format(PyExc_ValueError, "backend must be 'shm' or 'nccl', got '%s'", backend);
-    if (lanes != 1 && lanes != 2)
+    if (lanes < 1 || lanes > MP_MAX_LANES)
         return PyErr_Format(PyExc_ValueError, "lanes must be 1 (one ordered queue) or 2 (one per direction), got %d",
                             lanes);
     if (eager > MP_SHM_MAX_EAGER)

@@ -49,9 +49,7 @@ PyObject *mp_comm_single_copy(CommObject *self, PyObject *peer)
     int r = mp_comm_group_rank(self, peer, "peer");
     if (r < 0)
         return NULL;
-    if (strcmp(self->transport->ops->name, "shm") != 0)
-        Py_RETURN_TRUE; /* NCCL moves data between devices with no host copy at all */
-    return PyBool_FromLong(mp_shm_single_copy(self->transport, r));
+    return PyBool_FromLong(mp_transport_single_copy(self->transport, r));
 }
 
 static const char *result_key(int r)

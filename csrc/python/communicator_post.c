@@ -39,18 +39,16 @@ static int check_self_pairs(CommObject *self, const pending_op *ops, int nops)
 /* Device transports order what one call posts after the caller's stream, and fence it after. */
 static int begin_posting(CommObject *self)
 {
-    if (!self->transport->ops->begin)
-        return 0;
-    void *stream;
-    if (mp_comm_stream(self, &stream) < 0)
+    mp_transport *t = self->transport;
+    void *stream = NULL;
+    if ((mp_transport_caps(t) & MP_CAP_DEVICE_STREAMS) && mp_comm_stream(self, &stream) < 0)
         return -1;
     mp_result r = MP_ERR_CLOSED;
-    mp_transport *t = self->transport;
-    if (!t->ops->begin_end_may_wait) {
-        r = t->ops->begin(t, stream);
+    if (!(mp_transport_caps(t) & MP_CAP_BEGIN_END_MAY_WAIT)) {
+        r = mp_transport_begin(t, stream);
     } else if ((t = mp_comm_enter(self))) { /* a close meanwhile is left to our leave */
         Py_BEGIN_ALLOW_THREADS /* another thread's posting may hold the transport's lock a while */
-        r = t->ops->begin(t, stream);
+        r = mp_transport_begin(t, stream);
         Py_END_ALLOW_THREADS
         mp_comm_leave(self);
     }
@@ -71,13 +69,13 @@ static int begin_posting(CommObject *self)
 static void end_posting(CommObject *self)
 {
     mp_transport *t = self->transport;
-    if (!t || !t->ops->end)
+    if (!t)
         return;
-    if (!t->ops->begin_end_may_wait) {
-        t->ops->end(t);
+    if (!(mp_transport_caps(t) & MP_CAP_BEGIN_END_MAY_WAIT)) {
+        mp_transport_end(t);
     } else if ((t = mp_comm_enter(self))) {
         Py_BEGIN_ALLOW_THREADS
-        t->ops->end(t);
+        mp_transport_end(t);
         Py_END_ALLOW_THREADS
         mp_comm_leave(self);
     }

@@ -70,8 +70,8 @@ static void raise_op_failure(CommObject *comm, const mp_op *op)
         return;
     mp_transport *t = comm->transport;
     char cycle[8192] = "";
-    if (t && t->ops->failure_report && (op->result == MP_ERR_DEADLOCK || op->result == MP_ERR_ABORTED))
-        t->ops->failure_report(t, op, cycle, sizeof cycle);
+    if (t && (op->result == MP_ERR_DEADLOCK || op->result == MP_ERR_ABORTED))
+        mp_transport_failure_report(t, op, cycle, sizeof cycle);
     if (cycle[0]) {
         PyObject *joined = PyUnicode_FromFormat("%U\n%s", msg, cycle);
         Py_SETREF(msg, joined);
@@ -181,7 +181,7 @@ static int stream_wait(RequestObject *self)
         mp_result r = MP_ERR_CLOSED;
         if ((t = mp_comm_enter(comm))) { /* a close meanwhile leaves the transport to our leave */
             Py_BEGIN_ALLOW_THREADS /* the transport's lock is not taken holding the GIL */
-            r = t->ops->stream_wait(t, &self->op, stream);
+            r = mp_transport_stream_wait(t, &self->op, stream);
             Py_END_ALLOW_THREADS
             mp_comm_leave(comm);
         }
@@ -214,7 +214,7 @@ static PyObject *request_wait(RequestObject *self, PyObject *args, PyObject *kwa
     if (parse_timeout(args, kwargs, "|O:wait", &timeout) < 0 || mp_comm_check_owner(self->comm) < 0)
         return NULL;
     mp_transport *t = self->comm->transport;
-    int rc = t && t->ops->stream_wait ? stream_wait(self) : request_complete(self, timeout);
+    int rc = t && (mp_transport_caps(t) & MP_CAP_DEVICE_STREAMS) ? stream_wait(self) : request_complete(self, timeout);
     if (rc < 0)
         return NULL;
     Py_RETURN_TRUE;
@@ -246,8 +246,8 @@ static PyObject *request_is_completed(RequestObject *self, PyObject *Py_UNUSED(i
     if (mp_comm_check_owner(self->comm) < 0 || refuse_captured(self, "is_completed()") < 0)
         return NULL;
     mp_transport *t = self->comm->transport;
-    if (!mp_op_done(&self->op) && t && t->ops->progress)
-        t->ops->progress(t);
+    if (!mp_op_done(&self->op) && t)
+        mp_transport_progress(t);
     return PyBool_FromLong(mp_op_done(&self->op));
 }
 

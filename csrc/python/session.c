@@ -75,8 +75,8 @@ void mp_comm_leave(CommObject *self)
 void mp_comm_prune(CommObject *self)
 {
     mp_transport *t = self->transport;
-    if (t && t->ops->progress)
-        t->ops->progress(t);
+    if (t)
+        mp_transport_progress(t);
     PyObject *list = self->inflight;
     Py_ssize_t keep = 0, n = PyList_GET_SIZE(list);
     double now = 0;
@@ -94,7 +94,7 @@ void mp_comm_prune(CommObject *self)
                 e->t_completed = now;
             }
             if (op->result != MP_OK && failed_running < 0)
-                failed_running = t && t->ops->failed_ops_running && t->ops->failed_ops_running(t);
+                failed_running = t && mp_transport_failed_ops_running(t);
             if (op->result == MP_OK || !failed_running)
                 continue; /* released: nothing on the device touches its buffers any more */
         }
@@ -188,8 +188,7 @@ int mp_comm_check_usable(CommObject *self)
     if (cause != MP_OK) {
         PyObject *exc = mp_failure_type(self->state, cause);
         char report[4096] = "";
-        if (self->transport->ops->failure_report)
-            self->transport->ops->failure_report(self->transport, NULL, report, sizeof report);
+        mp_transport_failure_report(self->transport, NULL, report, sizeof report);
         char by[32] = "outside the group";
         if (rank != MP_RANK_OUTSIDE)
             snprintf(by, sizeof by, "by group rank %d", rank);

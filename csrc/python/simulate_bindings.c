@@ -78,7 +78,7 @@ static PyObject *simulate(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kw
         return NULL;
     if (size < 1 || size > 65536)
         return PyErr_Format(PyExc_ValueError, "size must be from 1 to 65536, got %d", size);
-    if (lanes != 1 && lanes != 2)
+    if (lanes < 1 || lanes > MP_MAX_LANES)
         return PyErr_Format(PyExc_ValueError, "lanes must be 1 or 2, got %d", lanes);
     if (eager < 0)
         return PyErr_Format(PyExc_ValueError, "eager_threshold must be >= 0, got %lld", eager);

@@ -110,18 +110,23 @@ void shm_post_descriptor(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_loc
         shm_ring_peer(s, op);
 }
 
-/* For a send too large for its slot, to a peer with an arena: 1 when the receiver offered a
- * buffer for exactly this message (op->remote is set), 0 to take the usual path, -1 to wait for
- * the receive's answer, -2 once the segment is reported corrupt. */
-static int take_offer(shm_t *s, mp_op *op, shm_chan *ch, chan_local *cl)
+/* What a send too large for its slot, to a peer with an arena, does about the receiver's offer. */
+typedef enum {
+    TAKE_CORRUPT = -2,      /* the segment is reported corrupt */
+    TAKE_AWAIT_ANSWER = -1, /* wait for the receive's answer */
+    TAKE_USUAL_PATH = 0,    /* take the usual path */
+    TAKE_OFFERED = 1,       /* the receiver offered a buffer for exactly this message: op->remote is set */
+} offer_taken;
+
+static offer_taken take_offer(shm_t *s, mp_op *op, shm_chan *ch, chan_local *cl)
 {
     uint64_t active; /* read first: a receive answers before it is made active */
     if (shm_read_counter(s, op, &ch->recv_posted, "recv_posted", &cl->active_seen, &ch->recv_issued, 0, &active) < 0)
-        return -2;
+        return TAKE_CORRUPT;
     shm_offer *o = &ch->offers[op->seq % SHM_NSLOTS];
     atomic_thread_fence(memory_order_seq_cst); /* after send_issued, before the answer: see shm_answer() */
     if (atomic_load_explicit(&o->seq, memory_order_acquire) != op->seq + 1)
-        return active > op->seq || op->nbytes < MP_SHM_OFFER_WAIT_BYTES ? 0 : -1;
+        return active > op->seq || op->nbytes < MP_SHM_OFFER_WAIT_BYTES ? TAKE_USUAL_PATH : TAKE_AWAIT_ANSWER;
     /* A versioned read (see shm_answer()): fields read while another answer rewrote the slot
      * are told by seq, which that answer cleared before touching them. */
     uint64_t offset = atomic_load_explicit(&o->offset, memory_order_relaxed);
@@ -130,16 +135,16 @@ static int take_offer(shm_t *s, mp_op *op, shm_chan *ch, chan_local *cl)
     atomic_thread_fence(memory_order_acquire);
     if (atomic_load_explicit(&o->seq, memory_order_relaxed) != op->seq + 1 || offset == NO_OFFER ||
         nbytes != op->nbytes || dtype != op->dtype)
-        return 0; /* rewritten meanwhile, declined, or the receiver expects another message: it says so */
+        return TAKE_USUAL_PATH; /* rewritten meanwhile, declined, or the receiver expects another message: it says so */
     uint64_t limit = s->peer_arena_bytes[op->peer];
     if (offset > limit || nbytes > limit - offset) {
         shm_found_corrupt(s, "arena offer for message #%llu to rank %d: offset %#llx + nbytes %llu is beyond its arena "
                           "of %llu bytes", (unsigned long long)op->seq, op->peer_global, (unsigned long long)offset,
                           (unsigned long long)nbytes, (unsigned long long)limit);
-        return -2;
+        return TAKE_CORRUPT;
     }
     op->remote = s->peer_arenas[op->peer] + offset;
-    return 1;
+    return TAKE_OFFERED;
 }
 
 static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
@@ -153,12 +158,12 @@ static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan
         return 0; /* every descriptor slot still holds an unfinished message */
     int large = op->nbytes > s->v.lay.slot_bytes;
     if (large && s->peer_arenas[op->peer]) {
-        int offered = take_offer(s, op, ch, cl);
-        if (offered == -2)
+        offer_taken offered = take_offer(s, op, ch, cl);
+        if (offered == TAKE_CORRUPT)
             return 1;
-        if (offered < 0)
+        if (offered == TAKE_AWAIT_ANSWER)
             return 0;
-        if (offered) {
+        if (offered == TAKE_OFFERED) {
             atomic_store_explicit(&op->matched, 1, memory_order_relaxed);
             op->phase = PH_ARENA;
             op->progress = 0;

@@ -62,6 +62,15 @@ static void shm_destroy(mp_transport *t)
     free(s);
 }
 
+/* Whether `peer`'s messages are copied once (CMA), or staged through the segment. */
+static int shm_single_copy(mp_transport *t, int peer)
+{
+    shm_t *s = as_shm(t);
+    if (peer < 0 || peer >= t->size)
+        return 0;
+    return atomic_load(shm_cma_at(&s->v, t->rank, peer));
+}
+
 static const mp_transport_ops shm_ops = {
     .name = "shm",
     .post = shm_post,
@@ -73,6 +82,7 @@ static const mp_transport_ops shm_ops = {
     .begin = shm_begin,
     .end = shm_end,
     .failure_report = shm_failure_report,
+    .single_copy = shm_single_copy,
 };
 
 /* ---- creation --------------------------------------------------------------------------- */
@@ -211,30 +221,28 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->lanes = calloc((size_t)cfg->nlanes, sizeof(step_queue));
     s->peer_arenas = calloc((size_t)cfg->size, sizeof(char *));
     s->peer_arena_bytes = calloc((size_t)cfg->size, sizeof(uint64_t));
+    mp_result res = MP_ERR_SYSTEM;
     if (!s->pidfds || !s->pids || !s->out || !s->in || !s->lanes || !s->peer_arenas || !s->peer_arena_bytes) {
         free(s->pidfds);
-        s->pidfds = NULL;
-        shm_destroy(&s->base);
+        s->pidfds = NULL; /* not yet -1 each: shm_destroy would close them */
         snprintf(err, errlen, "out of memory");
-        return MP_ERR_SYSTEM;
+        goto fail;
     }
     for (int r = 0; r < cfg->size; r++)
         s->pidfds[r] = -1;
 
-    mp_result res = shm_segment_map(cfg->name, cfg->create, cfg->size, cfg->nlanes, cfg->eager_threshold, deadline,
-                                    cfg->interrupt, &s->v, err, errlen);
-    if (res != MP_OK) {
-        shm_destroy(&s->base);
-        return res;
-    }
+    res = shm_segment_map(cfg->name, cfg->create, cfg->size, cfg->nlanes, cfg->eager_threshold, deadline,
+                          cfg->interrupt, &s->v, err, errlen);
+    if (res != MP_OK)
+        goto fail;
     shm_header *h = shm_hdr(&s->v);
     shm_rank *me = my_slot(s);
     int32_t none = 0;
     if (!atomic_compare_exchange_strong(&me->pid, &none, (int32_t)getpid())) {
         snprintf(err, errlen, "rank %d is already attached to shared-memory segment %s (pid %d): two processes "
                  "claim the same group rank", cfg->rank, cfg->name, (int)none);
-        shm_destroy(&s->base);
-        return MP_ERR_MISMATCH;
+        res = MP_ERR_MISMATCH;
+        goto fail;
     }
     s->probe_word = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s ^ 0x9e3779b97f4a7c15ull;
     me->probe_addr = (uint64_t)(uintptr_t)&s->probe_word;
@@ -244,10 +252,8 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
         char name[MP_SHM_NAME_LEN + 32];
         arena_name(cfg->name, getpid(), cfg->rank, name, sizeof name);
         res = mp_arena_create(name, cfg->arena_bytes, &s->arena, err, errlen);
-        if (res != MP_OK) {
-            shm_destroy(&s->base);
-            return res;
-        }
+        if (res != MP_OK)
+            goto fail;
         me->arena_bytes = mp_arena_bytes(s->arena);
     }
     atomic_store(&me->state, SHM_RANK_ATTACHED);
@@ -255,10 +261,8 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
 
     res = wait_all(s, &h->attached, SHM_RANK_ATTACHED, deadline, cfg, "attach to", err, errlen);
     shm_unlink(cfg->name); /* everyone is in (or the job failed): the name is no longer needed */
-    if (res != MP_OK) {
-        shm_destroy(&s->base);
-        return res;
-    }
+    if (res != MP_OK)
+        goto fail;
     for (int r = 0; r < cfg->size; r++) {
         s->pids[r] = (pid_t)atomic_load(&shm_rank_at(&s->v, r)->pid);
         if (r != cfg->rank)
@@ -266,26 +270,26 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     }
     probe_single_copy(s, cfg->allow_cma);
     res = map_peer_arenas(s, cfg->name, err, errlen);
-    if (res != MP_OK) {
-        shm_destroy(&s->base);
-        return res;
-    }
+    if (res != MP_OK)
+        goto fail;
     atomic_store(&me->state, SHM_RANK_READY);
     atomic_fetch_add(&h->ready, 1);
     res = wait_all(s, &h->ready, SHM_RANK_READY, deadline, cfg, "finish connecting to", err, errlen);
     unlink_arenas(s, cfg->name);
-    if (res != MP_OK) {
-        shm_destroy(&s->base);
-        return res;
-    }
+    if (res != MP_OK)
+        goto fail;
     if (pthread_create(&s->thread, NULL, shm_progress_main, s) != 0) {
         snprintf(err, errlen, "cannot start the progress thread: %s", strerror(errno));
-        shm_destroy(&s->base);
-        return MP_ERR_SYSTEM;
+        res = MP_ERR_SYSTEM;
+        goto fail;
     }
     s->thread_started = 1;
     *out = &s->base;
     return MP_OK;
+
+fail: /* the one release path of a half-made transport */
+    shm_destroy(&s->base);
+    return res;
 }
 
 int mp_shm_received_by_path(mp_transport *t, uint64_t out[MP_SHM_NPATHS])
@@ -307,10 +311,3 @@ const shm_view *mp_shm_view(mp_transport *t)
     return t && t->ops == &shm_ops ? &as_shm(t)->v : NULL;
 }
 
-int mp_shm_single_copy(mp_transport *t, int peer)
-{
-    shm_t *s = as_shm(t);
-    if (peer < 0 || peer >= t->size)
-        return 0;
-    return atomic_load(shm_cma_at(&s->v, t->rank, peer));
-}

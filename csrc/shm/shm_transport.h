@@ -43,7 +43,6 @@ int mp_shm_new_name(char *buf, size_t len);
 mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, size_t errlen);
 
 /* Whether single-copy reads from `peer` work (for tests and reports). */
-int mp_shm_single_copy(mp_transport *t, int peer);
 
 /* Messages this rank received by each path (SHM_PATH_*), for stats and tests; 0 for another
  * transport. */
