@@ -21,6 +21,14 @@ _SimResult: TypeAlias = tuple[
 # ('send' | 'recv', lane, peer, count, nccl_datatype, index).
 _NcclCall: TypeAlias = tuple[str] | tuple[str, int] | tuple[str, int, int, int, int, int]
 
+# exchange()'s tensors by slot, for callers that gather them in a dict; None: the slot is unused.
+@type_check_only
+class _ExchangeTensors(TypedDict, total=False):
+    send_next: torch.Tensor | None
+    recv_prev: torch.Tensor | None
+    send_prev: torch.Tensor | None
+    recv_next: torch.Tensor | None
+
 @type_check_only
 class _ReceivedByPath(TypedDict):
     inline: int

@@ -8,12 +8,27 @@ import logging
 import os
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import _C, flight_recorder, nccl, watchdog
 from .stall import StallWatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import TypedDict
+
+    # torch.distributed imports Store without re-exporting it; distributed_c10d lists it in __all__.
+    from torch.distributed.distributed_c10d import Store
+
+    class _CommonArgs(TypedDict):
+        """The Communicator arguments both backends get."""
+
+        lanes: int
+        timeout: float
+        peer_failed: Callable[[], str | None]
 
 BACKENDS = ("shm", "nccl", "auto")
 _STORE_PREFIX = "megatron_p2p"
@@ -51,7 +66,7 @@ def _arena_bytes(given: int | None) -> int:
     return value
 
 
-def _store_and_ranks(group: dist.ProcessGroup | None) -> tuple[dist.Store, int, list[int]]:
+def _store_and_ranks(group: dist.ProcessGroup | None) -> tuple[Store, int, list[int]]:
     """The store to bootstrap through, this process's global rank, and the group's global ranks."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, not {type(group).__name__}")
@@ -74,7 +89,7 @@ def _store_and_ranks(group: dist.ProcessGroup | None) -> tuple[dist.Store, int, 
     return store, me, list(range(world))
 
 
-def _store_get(store: dist.Store, key: str, timeout: float, rank: int, rank0_pid: int | None) -> bytes:
+def _store_get(store: Store, key: str, timeout: float, rank: int, rank0_pid: int | None) -> bytes:
     """The value of `key` once its rank has set it. A store that is gone means its host died:
     rank 0's process, or torchrun's agent; either way the group cannot form."""
     deadline = time.monotonic() + timeout
@@ -96,9 +111,13 @@ def _store_get(store: dist.Store, key: str, timeout: float, rank: int, rank0_pid
 
 
 @functools.lru_cache(maxsize=1)
-def _env_rendezvous() -> tuple[dist.Store, int, int]:
+def _env_rendezvous() -> tuple[Store, int, int]:
     """torchrun's store, reached once per process (each rendezvous costs a round of connects)."""
-    return next(dist.rendezvous("env://"))
+    # Imported here, as torch.distributed does only where it is available; its handlers are unannotated.
+    from torch.distributed.rendezvous import rendezvous
+
+    handler: Iterator[tuple[Store, int, int]] = rendezvous("env://")
+    return next(handler)
 
 
 def init_communicator(
@@ -143,6 +162,7 @@ def init_communicator(
         raise ValueError(f"eager_threshold must be an int in [0, {_C.MAX_EAGER_THRESHOLD}], got {eager_threshold!r}")
     if arena_bytes is not None:
         _arena_bytes(arena_bytes)
+    shm_arena_bytes = 0  # the size an shm communicator gets, found below
     dev = nccl.requested_device(device, backend)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "shm"
@@ -156,7 +176,7 @@ def init_communicator(
     elif dev.type != "cpu":
         raise ValueError(f"backend 'shm' carries CPU tensors; device {dev} needs backend 'nccl' or 'auto'")
     else:
-        arena_bytes = _arena_bytes(arena_bytes)
+        shm_arena_bytes = _arena_bytes(arena_bytes)
 
     store, me, ranks = _store_and_ranks(group)
     group_rank = ranks.index(me)
@@ -169,12 +189,13 @@ def init_communicator(
     pid_key = f"{base}/{generation}/pid"
     proc_key = f"{base}/{generation}/proc"  # NCCL: what the watchdog needs to see a local peer die
     if backend == "nccl":
-        store.set(f"{proc_key}/{group_rank}", nccl.ProcessIdentity.this_process().encode())
+        identity = nccl.ProcessIdentity.this_process().encode()
+        store.set(f"{proc_key}/{group_rank}", identity)  # type: ignore[arg-type]  # torch's stub says str; bytes work
     store.set(f"{pid_key}/{group_rank}", str(os.getpid()))
     if group_rank == 0:
         pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, r, os.getpid())) for r in range(len(ranks))]
         unique_id = _C.new_unique_id() if backend == "shm" else b"".join(_C.nccl_unique_id() for _ in range(lanes))
-        store.set(key, unique_id)
+        store.set(key, unique_id)  # type: ignore[arg-type]  # nccl's is bytes, which Store.set takes
     else:
         rank0_pid = int(_store_get(store, f"{pid_key}/0", timeout, 0, None))
         unique_id = _store_get(store, key, timeout, 0, rank0_pid)
@@ -182,12 +203,12 @@ def init_communicator(
         if backend == "shm":
             unique_id = unique_id.decode()
     failures = _CreationFailures(store, f"{base}/{generation}/failed", group_rank, len(ranks))
-    common = dict(lanes=lanes, timeout=float(timeout), peer_failed=failures.of_peers)
+    common: _CommonArgs = dict(lanes=lanes, timeout=float(timeout), peer_failed=failures.of_peers)
     try:
         if backend == "shm":
             comm = _C.Communicator(
                 "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
-                single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, arena_bytes=arena_bytes,
+                single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, arena_bytes=shm_arena_bytes,
                 **common,
             )
         else:
@@ -220,7 +241,7 @@ class _CreationFailures:
     through the store, so that the others, still waiting for it to attach, stop at once with its
     reason instead of at the timeout."""
 
-    def __init__(self, store: dist.Store, key: str, rank: int, size: int) -> None:
+    def __init__(self, store: Store, key: str, rank: int, size: int) -> None:
         self._store, self._key, self._rank, self._size = store, key, rank, size
         self._from_peer = False
 

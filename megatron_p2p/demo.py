@@ -27,11 +27,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 import megatron_p2p as mp
+
+if TYPE_CHECKING:
+    from megatron_p2p import _C
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ def train_reference(model: nn.Module, cfg: Config, x: torch.Tensor, y: torch.Ten
         losses = []
         for m in range(cfg.microbatches):
             loss = microbatch_loss(model(x[step, m]), y[step, m])
-            (loss / cfg.microbatches).backward()
+            (loss / cfg.microbatches).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             losses.append(loss.detach())
         opt.step()
         per_step.append(step_loss(losses))
@@ -149,7 +153,7 @@ class Stage:
     # after it, so those slots are simply left out (not sent around the ring).
     def _exchange(self, send_next: torch.Tensor | None = None, recv_prev: torch.Tensor | None = None,
                   send_prev: torch.Tensor | None = None, recv_next: torch.Tensor | None = None) -> None:
-        ops = {}
+        ops: _C._ExchangeTensors = {}
         if not self.last:
             if send_next is not None:
                 ops["send_next"] = send_next
@@ -206,7 +210,7 @@ class Stage:
     def forward(self, step: int, m: int, inp: torch.Tensor | None,
                 losses: list[torch.Tensor]) -> torch.Tensor:
         """The stage's output, or on the last stage the microbatch's scaled loss."""
-        out = self.module(self.x[step, m] if self.first else inp)
+        out: torch.Tensor = self.module(self.x[step, m] if self.first else inp)
         if not self.last:
             return out
         loss = microbatch_loss(out, self.y[step, m])
@@ -215,7 +219,8 @@ class Stage:
 
     def backward(self, inp: torch.Tensor | None, out: torch.Tensor,
                  out_grad: torch.Tensor | None) -> torch.Tensor | None:
-        out.backward(out_grad)  # out_grad is None on the last stage: out is the loss
+        # out_grad is None on the last stage: out is the loss. (torch leaves backward unannotated.)
+        out.backward(out_grad)  # type: ignore[no-untyped-call]
         return None if inp is None else inp.grad
 
     def train_step(self, step: int) -> list[torch.Tensor]:
@@ -277,7 +282,8 @@ class Stage:
 
 # ---- reporting -----------------------------------------------------------------------------------
 
-STAT_FIELDS = ("sends", "recvs", "bytes_sent", "bytes_received", "wait_seconds")
+STAT_FIELDS: tuple[Literal["sends", "recvs", "bytes_sent", "bytes_received", "wait_seconds"], ...] = (
+    "sends", "recvs", "bytes_sent", "bytes_received", "wait_seconds")
 
 
 def gather_to_rank0(comm: mp.Communicator, tensor: torch.Tensor) -> list[torch.Tensor]:

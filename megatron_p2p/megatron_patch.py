@@ -13,9 +13,12 @@ import importlib
 import logging
 import sys
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import p2p_communication as ours
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def _configured_class(options: dict[str, Any]) -> type:
     class P2PCommunicator(ours.P2PCommunicator):
         __doc__ = ours.P2PCommunicator.__doc__
 
-        def __init__(self, pp_group, config, **kwargs: Any):
+        def __init__(self, pp_group: dist.ProcessGroup | None, config: Any, **kwargs: Any) -> None:
             super().__init__(pp_group, config, **{**options, **kwargs})
 
     P2PCommunicator.__module__ = ours.__name__

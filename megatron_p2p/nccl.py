@@ -9,12 +9,15 @@ import socket
 import time
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import _C
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store  # torch.distributed does not re-export it
 
 ENV_LIBRARY = "MEGATRON_P2P_NCCL_LIBRARY"
 
@@ -77,10 +80,11 @@ def _torch_nccl_version() -> tuple[int, int, int] | None:
     if not torch.cuda.is_available():
         return None
     try:
-        v = torch.cuda.nccl.version()
+        v = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except (RuntimeError, AttributeError):
         return None
-    return tuple(v) if isinstance(v, tuple) else _split(int(v))  # type: ignore[return-value]
+    # (major, minor, patch), with the build's suffix (a str) after them when it has one
+    return (v[0], v[1], v[2]) if isinstance(v, tuple) else _split(int(v))
 
 
 def requested_device(device: torch.device | str | int | None, backend: str) -> torch.device:
@@ -136,7 +140,7 @@ class AbortRelay:
     polls it. The first store call that finds the store's host gone is the last one made
     (torch prints a warning with a C++ stack for each): `store_gone` says why from then on."""
 
-    def __init__(self, store: dist.Store, key: str, rank: int):
+    def __init__(self, store: Store, key: str, rank: int):
         self._store = store
         self._key = key
         self._rank = rank  # this process's global rank: the cause its peers will name
@@ -151,7 +155,7 @@ class AbortRelay:
         told = {"rank": self._rank if rank is None else rank, "message": message or "aborted",
                 "peer_failed": peer_failed, "deadlock": list(deadlock)}
         try:
-            self._store.set(self._key, json.dumps(told).encode())
+            self._store.set(self._key, json.dumps(told).encode())  # type: ignore[arg-type]  # torch's stub: str only
         except dist.DistNetworkError as e:
             self._lost(e)
         except dist.DistError:
@@ -206,7 +210,7 @@ class ProcessIdentity(NamedTuple):
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 machine = f"{f.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
-            start = _stat(os.getpid())[1]  # type: ignore[index] - this process exists
+            start = _stat(os.getpid())[1]  # type: ignore[index]  # this process exists
         except (OSError, ValueError, IndexError):
             return cls(os.getpid(), host, "", 0)  # no /proc: no peer is watched
         return cls(os.getpid(), host, machine, start)

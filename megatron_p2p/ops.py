@@ -91,9 +91,10 @@ def _peer(comm: Communicator, peer: int | None, group_peer: int | None, names: t
         raise ValueError(f"give exactly one of {names[0]} (a global rank) and {names[1]} (a rank in the group)")
     if peer is not None:
         return peer
-    if not 0 <= group_peer < comm.size:  # type: ignore[operator]
+    assert group_peer is not None  # exactly one of the two was given
+    if not 0 <= group_peer < comm.size:
         raise ValueError(f"{names[1]}={group_peer} is outside a group of {comm.size} ranks")
-    return comm.ranks[group_peer]  # type: ignore[index]
+    return comm.ranks[group_peer]
 
 
 def _group_rank(comm: Communicator, peer: int, name: str) -> int:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any, List, Union  # noqa: UP035 - List: megatron-core's Shape alias
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, List, Protocol, Union, cast  # noqa: UP035 - List: megatron-core's Shape alias
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,52 @@ from .ops import find_communicator, get_communicator, group_ranks, register_comm
 logger = logging.getLogger(__name__)
 
 Shape = Union[List[int], torch.Size]  # noqa: UP006, UP007 - equal to megatron-core's own alias
+# (The functions take any Sequence[int] as a shape: megatron-core's schedules pass tuples too.)
+
+
+class RequestLike(Protocol):
+    """What P2PCommunicator does with a posted op: waits for it."""
+
+    def wait(self) -> object: ...
+
+
+class CommunicatorLike(Protocol):
+    """What P2PCommunicator uses of its communicator: megatron_p2p's Communicator, or a stand-in
+    (verify.megatron_recording's RecordingCommunicator, which records what is posted)."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def lanes(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    def exchange(self, send_next: torch.Tensor | None = ..., recv_prev: torch.Tensor | None = ...,
+                 send_prev: torch.Tensor | None = ..., recv_next: torch.Tensor | None = ..., *, mode: str = ...,
+                 prev_rank: int | None = ..., next_rank: int | None = ...,
+                 call: str | None = ...) -> Mapping[str, RequestLike]: ...
+    def batch(self, ops: Sequence[tuple[bool, torch.Tensor, int]], *, lane: int = ...,
+              call: str | None = ...) -> Sequence[RequestLike]: ...
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+    def check_tensor(self, tensor: torch.Tensor, name: str = ..., /) -> None: ...
+
+
+if TYPE_CHECKING:
+    from typing import TypeAlias, Unpack
+
+    # _communicate's reqs: the posted requests by op name (wait_on_reqs=False); once waited, None,
+    # or [] / {} when nothing was posted.
+    _Handles: TypeAlias = Mapping[str, RequestLike] | list[RequestLike] | None
+    # What the nine methods receive: a tensor per shape (None where skipped or not received).
+    _Received: TypeAlias = torch.Tensor | None | list[torch.Tensor | None]
+    # What they send: a tensor or a list of them; None sends nothing.
+    _Sent: TypeAlias = torch.Tensor | None | list[torch.Tensor | None]
+    # One shape (a list, tuple or torch.Size of ints), or a list of them, one per tensor.
+    _Shapes: TypeAlias = Sequence[int] | list[Sequence[int]]
+    # overlap_p2p_comm=True: (received, handles), each a list for a list of tensors.
+    _Overlapped: TypeAlias = tuple[torch.Tensor | None, _Handles] | tuple[list[torch.Tensor | None], list[_Handles]]
+
 
 MODES = ("parity", "batched")
 SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
@@ -126,7 +172,7 @@ def _p2p_ops(
     group: dist.ProcessGroup,
     prev_pipeline_rank: int,
     next_pipeline_rank: int,
-):
+) -> dict[str, _C.Request]:
     """megatron-core's `_p2p_ops`: the posted ops in parity order, as a dict of requests keyed
     send_next / recv_prev / send_prev / recv_next. `group`'s communicator must exist
     (`init_communicator(group)`); ranks are global."""
@@ -143,7 +189,7 @@ def _batched_p2p_ops(
     group: dist.ProcessGroup,
     prev_pipeline_rank: int,
     next_pipeline_rank: int,
-):
+) -> list[_C.Request]:
     """megatron-core's `_batched_p2p_ops`: the posted ops as groups, as a list of requests
     (send_prev, recv_prev, send_next, recv_next order; [] when nothing is posted). Unlike
     megatron-core's, the pairing is right with 2 pipeline ranks."""
@@ -165,8 +211,8 @@ class _Span:
         self.timers, self.name, self.nvtx = timers, name, nvtx
 
     def __enter__(self) -> None:
-        if self.nvtx:
-            torch.cuda.nvtx.range_push(f"megatron_p2p.{self.name}")
+        if self.nvtx:  # (torch leaves torch.cuda.nvtx unannotated)
+            torch.cuda.nvtx.range_push(f"megatron_p2p.{self.name}")  # type: ignore[no-untyped-call]
         if self.timers is not None:
             self.timers(self.name, log_level=2).start()
 
@@ -174,7 +220,7 @@ class _Span:
         if self.timers is not None:
             self.timers(self.name).stop()
         if self.nvtx:
-            torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
 
 class P2PCommunicator:
@@ -194,14 +240,14 @@ class P2PCommunicator:
 
     def __init__(
         self,
-        pp_group: dist.ProcessGroup,
+        pp_group: dist.ProcessGroup | None,  # None: the default group, as for init_communicator
         config: Any,
         *,
         backend: str | None = None,
         mode: str | None = None,
         timeout: float | None = None,
         lanes: int | None = None,
-        comm: _C.Communicator | None = None,
+        comm: CommunicatorLike | None = None,
     ):
         self.pp_group = pp_group
         self.config = config
@@ -214,11 +260,11 @@ class P2PCommunicator:
             mode = "batched" if getattr(config, "batch_p2p_comm", True) else "parity"
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.comm: _C.Communicator = comm
+        self.comm: CommunicatorLike = comm
         self.mode: str = mode
         me = ranks.index(dist.get_rank())
-        self.next_rank: int | None = ranks[(me + 1) % len(ranks)]
-        self.prev_rank: int | None = ranks[(me - 1) % len(ranks)]
+        self.next_rank: int = ranks[(me + 1) % len(ranks)]
+        self.prev_rank: int = ranks[(me - 1) % len(ranks)]
         self.virtual_pipeline_model_parallel_size = getattr(config, "virtual_pipeline_model_parallel_size", None)
         self._rank_in_group = me
         self._size = len(ranks)
@@ -229,7 +275,7 @@ class P2PCommunicator:
 
     @staticmethod
     def _find_or_create(
-        pp_group: dist.ProcessGroup,
+        pp_group: dist.ProcessGroup | None,
         ranks: tuple[int, ...],
         backend: str | None,
         timeout: float | None,
@@ -290,10 +336,12 @@ class P2PCommunicator:
         finally:
             self._call = outer
 
-    def _exchange(self, **ops: torch.Tensor | None) -> dict[str, _C.Request]:
+    def _exchange(self, **ops: Unpack[_C._ExchangeTensors]) -> Mapping[str, RequestLike]:
         if logger.isEnabledFor(logging.DEBUG):
+            # A TypedDict's values() are objects to mypy (a subtype may add keys); these hold tensors.
+            tensors = cast("dict[str, torch.Tensor | None]", ops)
             logger.debug("exchange (%s): %s", self.mode,
-                         ", ".join(f"{k} {tuple(v.shape)}" for k, v in ops.items() if v is not None))
+                         ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items() if v is not None))
         return self.comm.exchange(mode=self.mode, call=self._call, **ops)
 
     def _header(self, t: torch.Tensor) -> torch.Tensor:
@@ -304,7 +352,7 @@ class P2PCommunicator:
 
     def _exchange_with_headers(
         self, sends: dict[str, torch.Tensor], recvs: tuple[str, ...], allocate: Any | None = None,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, _C.Request], list[_C.Request]]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, RequestLike], list[RequestLike]]:
         """Posts an exchange step by step with its shape headers (shape_headers.round_steps): the
         parity plan's steps, each send preceded by its header, each step with receives by their
         headers' receives, waited for. allocate(slot, header) makes a receive's buffer; without
@@ -318,8 +366,8 @@ class P2PCommunicator:
                        self.next_rank == me)
         headers: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
-        reqs: dict[str, _C.Request] = {}
-        header_sends: list[_C.Request] = []
+        reqs: dict[str, RequestLike] = {}
+        header_sends: list[RequestLike] = []
         for header_step, lane, ops in shape_headers.round_steps(plan):
             if header_step:
                 got = {s: torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) for s, _ in ops}
@@ -357,7 +405,8 @@ class P2PCommunicator:
             )
         return dims, (_DTYPES[code] if code >= 0 else None)
 
-    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    def _communicate_shapes(self, tensor_send_next: torch.Tensor | None, tensor_send_prev: torch.Tensor | None,
+                            recv_prev: bool, recv_next: bool) -> tuple[list[int], list[int]]:
         """megatron-core's shape exchange: returns (recv_prev_shape, recv_next_shape), each the
         peer's tensor shape as a list, or [0, 0, 0] where nothing is received. Runs in the
         shape round's parity order (shape_headers.py), with no device-wide synchronize."""
@@ -381,9 +430,9 @@ class P2PCommunicator:
         tensor_send_prev: torch.Tensor | None,
         recv_prev: bool,
         recv_next: bool,
-        tensor_shape: Shape,
+        tensor_shape: Sequence[int] | None,
         wait_on_reqs: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, Any]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, _Handles]:
         """megatron-core's `_communicate`: returns (tensor_recv_prev, tensor_recv_next, reqs).
         Received tensors are fresh `torch.empty(..., requires_grad=True)` of
         config.pipeline_dtype (None where not received). reqs: None once waited on; with
@@ -401,7 +450,8 @@ class P2PCommunicator:
                 )
             if wanted:
                 _check_pipeline_dtype(config.pipeline_dtype)
-        header_sends: list[_C.Request] = []
+        header_sends: list[RequestLike] = []
+        reqs: Mapping[str, RequestLike]
         problems: list[str] = []
 
         def buffer(slot: str, shape: Any, announced: torch.dtype | None) -> torch.Tensor:
@@ -411,7 +461,7 @@ class P2PCommunicator:
                 problems.append(problem)
             # On a dtype disagreement, take the peer's message as it is sent (so it does not hang),
             # then raise.
-            dtype = announced if problem else config.pipeline_dtype
+            dtype: torch.dtype = announced if problem and announced is not None else config.pipeline_dtype
             dims = _buffer_shape(shape, dtype, slot)
             return self.comm.empty(dims, dtype).requires_grad_()  # shm: from the arena its peers write into
 
@@ -437,23 +487,24 @@ class P2PCommunicator:
         if wait_on_reqs:
             for r in header_sends:  # first: one the peer refused fails here, not as a hang below
                 r.wait()
+        handles: _Handles = reqs
         if not reqs:
-            reqs = [] if self.mode == "batched" and wait_on_reqs else {}
+            handles = [] if self.mode == "batched" and wait_on_reqs else {}
         elif wait_on_reqs:
             for r in reqs.values():
                 r.wait()
-            reqs = None
+            handles = None
         if self._cuda and self.mode == "batched" and getattr(config, "batch_p2p_sync", True):
             # Honoured for parity with megatron-core; stream order already makes it unnecessary.
             torch.cuda.synchronize()
-        return tensor_recv_prev, tensor_recv_next, reqs
+        return tensor_recv_prev, tensor_recv_next, handles
 
     # -- megatron-core's nine methods --
 
-    def _recv_each(self, tensor_shapes, skip: bool, timer: str, prev: bool):
+    def _recv_each(self, tensor_shapes: _Shapes, skip: bool, timer: str, prev: bool) -> _Received:
         single = is_single_shape(tensor_shapes)
-        shapes = [tensor_shapes] if single else tensor_shapes
-        out = []
+        shapes: Sequence[Any] = [tensor_shapes] if single else tensor_shapes
+        out: list[torch.Tensor | None] = []
         for shape in shapes:
             if skip:
                 out.append(None)
@@ -464,19 +515,19 @@ class P2PCommunicator:
             out.append(recv_p if prev else recv_n)
         return out[0] if single else out
 
-    def recv_forward(self, tensor_shapes, is_first_stage: bool) -> torch.Tensor | list[torch.Tensor]:
+    def recv_forward(self, tensor_shapes: _Shapes, is_first_stage: bool) -> _Received:
         """Receives activations from the previous stage: one tensor per shape (a single tensor
         for a single shape), None on the first stage."""
         with self._serving("recv_forward"):
             return self._recv_each(tensor_shapes, is_first_stage, "forward-recv", prev=True)
 
-    def recv_backward(self, tensor_shapes, is_last_stage: bool) -> torch.Tensor | list[torch.Tensor]:
+    def recv_backward(self, tensor_shapes: _Shapes, is_last_stage: bool) -> _Received:
         """Receives gradients from the next stage: one tensor per shape (a single tensor for a
         single shape), None on the last stage."""
         with self._serving("recv_backward"):
             return self._recv_each(tensor_shapes, is_last_stage, "backward-recv", prev=False)
 
-    def _send_each(self, tensors, skip: bool, timer: str, forward: bool) -> None:
+    def _send_each(self, tensors: _Sent, skip: bool, timer: str, forward: bool) -> None:
         for t in tensors if isinstance(tensors, list) else [tensors]:
             if skip:
                 continue
@@ -484,24 +535,26 @@ class P2PCommunicator:
                 self._communicate(tensor_send_next=t if forward else None, tensor_send_prev=None if forward else t,
                                   recv_prev=False, recv_next=False, tensor_shape=None)
 
-    def send_forward(self, output_tensors, is_last_stage: bool) -> None:
+    def send_forward(self, output_tensors: _Sent, is_last_stage: bool) -> None:
         """Sends activations (a tensor or a list) to the next stage; nothing on the last stage."""
         with self._serving("send_forward"):
             self._send_each(output_tensors, is_last_stage, "forward-send", forward=True)
 
-    def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
+    def send_backward(self, input_tensor_grads: _Sent, is_first_stage: bool) -> None:
         """Sends gradients (a tensor or a list) to the previous stage; nothing on the first stage."""
         with self._serving("send_backward"):
             self._send_each(input_tensor_grads, is_first_stage, "backward-send", forward=False)
 
-    def _send_recv_each(self, tensors, tensor_shapes, skip: bool, timer: str, forward: bool, overlap: bool):
+    def _send_recv_each(self, tensors: _Sent, tensor_shapes: _Shapes, skip: bool, timer: str, forward: bool,
+                        overlap: bool) -> _Received | _Overlapped:
         single = not isinstance(tensors, list)
-        tensors = [tensors] if single else tensors
+        tensors = tensors if isinstance(tensors, list) else [tensors]
         # One tensor has one shape, even [] (0-dim); a list of tensors has a list of shapes.
-        shapes = [tensor_shapes] if single else tensor_shapes
+        shapes: Sequence[Any] = [tensor_shapes] if single else tensor_shapes
         if not single and (not isinstance(shapes, list) or len(shapes) != len(tensors)):
             raise ValueError(f"{len(tensors)} tensors need a list of {len(tensors)} shapes, got {tensor_shapes!r}")
-        received, handles = [], []
+        received: list[torch.Tensor | None] = []
+        handles: list[_Handles] = []
         for t, shape in zip(tensors, shapes):
             if skip:
                 received.append(None)
@@ -518,8 +571,8 @@ class P2PCommunicator:
         return received[0] if single else received
 
     def send_forward_recv_backward(
-        self, output_tensors, tensor_shapes, is_last_stage: bool, *, overlap_p2p_comm: bool = False
-    ) -> torch.Tensor | list[torch.Tensor]:
+        self, output_tensors: _Sent, tensor_shapes: _Shapes, is_last_stage: bool, *, overlap_p2p_comm: bool = False
+    ) -> _Received | _Overlapped:
         """Sends activations to the next stage and receives its gradients (None on the last
         stage). With overlap_p2p_comm=True (an addition to megatron-core) returns
         (gradients, handles) without waiting; handles is a dict keyed by op name (a list of
@@ -529,8 +582,8 @@ class P2PCommunicator:
                                         forward=True, overlap=overlap_p2p_comm)
 
     def send_backward_recv_forward(
-        self, input_tensor_grads, tensor_shapes, is_first_stage: bool, *, overlap_p2p_comm: bool = False
-    ) -> torch.Tensor | list[torch.Tensor]:
+        self, input_tensor_grads: _Sent, tensor_shapes: _Shapes, is_first_stage: bool, *, overlap_p2p_comm: bool = False
+    ) -> _Received | _Overlapped:
         """Sends gradients to the previous stage and receives its next activations (None on the
         first stage). overlap_p2p_comm=True returns (activations, handles), as above."""
         with self._serving("send_backward_recv_forward"):
@@ -541,9 +594,9 @@ class P2PCommunicator:
         self,
         output_tensor: torch.Tensor,
         recv_prev: bool,
-        tensor_shape: Shape,
+        tensor_shape: Sequence[int],
         overlap_p2p_comm: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None | tuple[torch.Tensor | None, _Handles]:
         """Sends activations to the next stage and, if recv_prev, receives the previous stage's.
         overlap_p2p_comm=True returns (tensor, handles) without waiting."""
         with self._span("forward-send-forward-recv"), self._serving("send_forward_recv_forward"):
@@ -556,9 +609,9 @@ class P2PCommunicator:
         self,
         input_tensor_grad: torch.Tensor,
         recv_next: bool,
-        tensor_shape: Shape,
+        tensor_shape: Sequence[int],
         overlap_p2p_comm: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None | tuple[torch.Tensor | None, _Handles]:
         """Sends gradients to the previous stage and, if recv_next, receives the next stage's.
         overlap_p2p_comm=True returns (tensor, handles) without waiting."""
         with self._span("backward-send-backward-recv"), self._serving("send_backward_recv_backward"):
@@ -573,8 +626,8 @@ class P2PCommunicator:
         input_tensor_grad: torch.Tensor,
         recv_prev: bool,
         recv_next: bool,
-        tensor_shape: Shape,
-    ) -> torch.Tensor:
+        tensor_shape: Sequence[int],
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Both directions at once: returns (input_tensor, output_tensor_grad)."""
         with self._span("forward-backward-send-forward-backward-recv"), \
                 self._serving("send_forward_backward_recv_forward_backward"):
@@ -609,10 +662,12 @@ def _stage(flag: bool | None, first: bool) -> bool:
         return flag
     from megatron.core import parallel_state
 
-    return parallel_state.is_pipeline_first_stage() if first else parallel_state.is_pipeline_last_stage()
+    stage: bool = parallel_state.is_pipeline_first_stage() if first else parallel_state.is_pipeline_last_stage()
+    return stage
 
 
-def _communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next, config):
+def _communicate_shapes(tensor_send_next: torch.Tensor | None, tensor_send_prev: torch.Tensor | None, recv_prev: bool,
+                        recv_next: bool, config: Any) -> tuple[list[int], list[int]]:
     """megatron-core <= 0.13's module-level shape exchange."""
     return _legacy(config)._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
 
@@ -623,10 +678,10 @@ def _communicate(
     tensor_send_prev: torch.Tensor | None,
     recv_prev: bool,
     recv_next: bool,
-    tensor_shape: Shape,
+    tensor_shape: Sequence[int] | None,
     config: Any,
     wait_on_reqs: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, _Handles]:
     """megatron-core <= 0.13's module-level `_communicate` (returns the same 3-tuple)."""
     return _legacy(config)._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
                                         recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
@@ -649,14 +704,14 @@ _LEGACY_CALLS = {
 }
 
 
-def _legacy_call(config: Any, timer: str, **kw: Any):
+def _legacy_call(config: Any, timer: str, **kw: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, _Handles]:
     with _legacy_span(config, timer):
         p2p = _legacy(config)
         with p2p._serving(_LEGACY_CALLS[timer]):
             return p2p._communicate(**kw)
 
 
-def recv_forward(tensor_shape: Shape, config: Any, is_first_stage: bool | None = None) -> torch.Tensor:
+def recv_forward(tensor_shape: Sequence[int], config: Any, is_first_stage: bool | None = None) -> torch.Tensor | None:
     """Receives activations from the previous stage (None on the first stage)."""
     if _stage(is_first_stage, first=True):
         return None
@@ -664,7 +719,7 @@ def recv_forward(tensor_shape: Shape, config: Any, is_first_stage: bool | None =
                         recv_next=False, tensor_shape=tensor_shape)[0]
 
 
-def recv_backward(tensor_shape: Shape, config: Any, is_last_stage: bool | None = None) -> torch.Tensor:
+def recv_backward(tensor_shape: Sequence[int], config: Any, is_last_stage: bool | None = None) -> torch.Tensor | None:
     """Receives gradients from the next stage (None on the last stage)."""
     if _stage(is_last_stage, first=False):
         return None
@@ -687,8 +742,8 @@ def send_backward(input_tensor_grad: torch.Tensor, config: Any, is_first_stage: 
 
 
 def send_forward_recv_backward(
-    output_tensor: torch.Tensor, tensor_shape: Shape, config: Any, is_last_stage: bool | None = None
-) -> torch.Tensor:
+    output_tensor: torch.Tensor, tensor_shape: Sequence[int], config: Any, is_last_stage: bool | None = None
+) -> torch.Tensor | None:
     """Sends activations to the next stage and receives its gradients (None on the last stage)."""
     if _stage(is_last_stage, first=False):
         return None
@@ -697,8 +752,8 @@ def send_forward_recv_backward(
 
 
 def send_backward_recv_forward(
-    input_tensor_grad: torch.Tensor, tensor_shape: Shape, config: Any, is_first_stage: bool | None = None
-) -> torch.Tensor:
+    input_tensor_grad: torch.Tensor, tensor_shape: Sequence[int], config: Any, is_first_stage: bool | None = None
+) -> torch.Tensor | None:
     """Sends gradients to the previous stage and receives its activations (None on the first stage)."""
     if _stage(is_first_stage, first=True):
         return None
@@ -710,10 +765,10 @@ def send_backward_recv_forward(
 def send_forward_recv_forward(
     output_tensor: torch.Tensor,
     recv_prev: bool,
-    tensor_shape: Shape,
+    tensor_shape: Sequence[int],
     config: Any,
     overlap_p2p_comm: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor | None | tuple[torch.Tensor | None, _Handles]:
     """Sends activations forward and optionally receives the previous stage's;
     overlap_p2p_comm=True returns (tensor, handles)."""
     got, _, handles = _legacy_call(config, "forward-send-forward-recv", tensor_send_next=output_tensor,
@@ -725,10 +780,10 @@ def send_forward_recv_forward(
 def send_backward_recv_backward(
     input_tensor_grad: torch.Tensor,
     recv_next: bool,
-    tensor_shape: Shape,
+    tensor_shape: Sequence[int],
     config: Any,
     overlap_p2p_comm: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor | None | tuple[torch.Tensor | None, _Handles]:
     """Sends gradients backward and optionally receives the next stage's;
     overlap_p2p_comm=True returns (tensor, handles)."""
     _, got, handles = _legacy_call(config, "backward-send-backward-recv", tensor_send_next=None,
@@ -742,9 +797,9 @@ def send_forward_backward_recv_forward_backward(
     input_tensor_grad: torch.Tensor,
     recv_prev: bool,
     recv_next: bool,
-    tensor_shape: Shape,
+    tensor_shape: Sequence[int],
     config: Any,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Both directions at once: returns (input_tensor, output_tensor_grad)."""
     got_prev, got_next, _ = _legacy_call(config, "forward-backward-send-forward-backward-recv",
                                          tensor_send_next=output_tensor, tensor_send_prev=input_tensor_grad,

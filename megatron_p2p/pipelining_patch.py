@@ -45,6 +45,8 @@ class _StagedReceive:
     tensor, copied into the buffer by the first wait() (so the buffer holds it after wait(), as
     torch's code expects). Otherwise it is the Request."""
 
+    _staging: torch.Tensor | None  # None once copied
+
     def __init__(self, request: ops.Request, staging: torch.Tensor, buffer: torch.Tensor):
         self._request, self._staging, self._buffer = request, staging, buffer
 
@@ -71,7 +73,7 @@ def _staged(tensor: torch.Tensor) -> torch.Tensor | None:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
 
 
-def _receive(post: Callable[[torch.Tensor], ops.Request], tensor: torch.Tensor) -> Any:
+def _receive(post: Callable[[torch.Tensor], ops.Request], tensor: torch.Tensor) -> ops.Request | _StagedReceive:
     staging = _staged(tensor)
     if staging is None:
         return post(tensor)
@@ -87,7 +89,7 @@ def _proxy(comm: ops.Communicator | None) -> ModuleType:
         return ops.isend(_contiguous(tensor), dst, group, tag, group_dst, comm=comm)
 
     def irecv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None,
-              tag: int = 0, group_src: int | None = None) -> Any:
+              tag: int = 0, group_src: int | None = None) -> ops.Request | _StagedReceive:
         return _receive(lambda t: ops.irecv(t, src, group, tag, group_src, comm=comm), tensor)
 
     def send(tensor: torch.Tensor, dst: int | None = None, group: dist.ProcessGroup | None = None,
@@ -106,7 +108,7 @@ def _proxy(comm: ops.Communicator | None) -> ModuleType:
 
         def __init__(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int | None = None,
                      group: dist.ProcessGroup | None = None, tag: int = 0, group_peer: int | None = None):
-            own = {isend: ops.isend, irecv: ops.irecv}.get(op, op)  # type: ignore[arg-type]
+            own = {isend: ops.isend, irecv: ops.irecv}.get(op, op)
             super().__init__(own, tensor, peer, group, tag, group_peer, comm=comm)
             self.op = op
 
@@ -145,6 +147,8 @@ def _proxy(comm: ops.Communicator | None) -> ModuleType:
 class _DistProxy(ModuleType):
     """torch.distributed with its p2p names replaced (set on the instance); any other name is
     looked up on torch.distributed itself at each access."""
+
+    P2POp: type[ops.P2POp]  # set by _proxy, as are the functions
 
     def __init__(self) -> None:
         super().__init__("torch.distributed", "torch.distributed as torch.distributed.pipelining sees it "

@@ -1,8 +1,12 @@
 """megatron_p2p.verify.replay, at the path it had before the tools moved into megatron_p2p.verify:
 the same module object, so old imports (and `python -m megatron_p2p.replay`) keep working."""
 import sys
+from typing import TYPE_CHECKING
 
 from .verify import replay as _moved
+
+if TYPE_CHECKING:  # what this module is, once it has replaced itself below
+    from .verify.replay import *  # noqa: F403
 
 if __name__ == "__main__":  # python -m megatron_p2p.replay
     sys.exit(_moved.main())

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from . import flight_recorder
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torch.distributed.distributed_c10d import Store  # torch.distributed does not re-export it
+
     from .verify import trace
 
 ENV_SECONDS = "MEGATRON_P2P_STALL_SECONDS"
@@ -76,7 +78,7 @@ class _Beat:
 class StallWatch:
     """One NCCL communicator's stall analysis, run by the watchdog thread (see the module)."""
 
-    def __init__(self, store: dist.Store, key: str, ranks: tuple[int, ...], rank: int,
+    def __init__(self, store: Store, key: str, ranks: Sequence[int], rank: int,
                  seconds: float | None = None) -> None:
         self._store, self._key, self._ranks, self._rank = store, key, ranks, rank
         self._seconds = stall_seconds() if seconds is None else seconds
@@ -138,7 +140,7 @@ class StallWatch:
         return report, None
 
 
-def _picture(report: trace.Report, ranks: tuple[int, ...]) -> str | None:
+def _picture(report: trace.Report, ranks: Sequence[int]) -> str | None:
     """The group as the stalled ranks published it: what each has not posted, and who published
     nothing (computing, or not stalled)."""
     if not report.communicators:

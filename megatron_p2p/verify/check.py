@@ -29,17 +29,26 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .program import ProgramError, dumps, load
 from .simulate import Verdict, simulate
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from .program import Program
+
+    # A grid or --schedule config: generate()'s keyword arguments plus "schedule" and "pp" (JSON-like).
+    Config: TypeAlias = dict[str, Any]
+    Result: TypeAlias = tuple[Config, str, str, int]  # (config, verdict, summary, ops)
 
 TORCH_PREFIX = "torch:"
 PP_BANDS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64))
 _SHAPE_KEYS = ("mode", "lanes", "eager_threshold")
 
 
-def _record(verdict: Verdict, **where: Any) -> dict:
+def _record(verdict: Verdict, **where: Any) -> dict[str, Any]:
     return {**where, "verdict": verdict.verdict, "ranks": verdict.ranks, "rounds": verdict.rounds,
             "serialize_lanes": verdict.serialize_lanes, "detail": verdict.detail()}
 
@@ -80,7 +89,7 @@ def check_files(paths: Sequence[str], as_json: bool, serialize_lanes: bool = Fal
     return status
 
 
-def _describe(config: dict) -> str:
+def _describe(config: Config) -> str:
     parts = [config["schedule"], f"pp={config['pp']}"]
     for key in ("vpp", "microbatches", "stages_per_rank", "mode", "lanes"):
         if config.get(key) is not None:
@@ -97,7 +106,7 @@ def _describe(config: dict) -> str:
     return " ".join(parts)
 
 
-def _generate(config: dict):
+def _generate(config: Config) -> Program:
     """The program of one grid or --schedule config: megatron-core's, or torch's (torch:NAME)."""
     kwargs = {k: v for k, v in config.items() if k not in ("schedule", "pp", "skip")}
     if config["schedule"].startswith(TORCH_PREFIX):
@@ -109,7 +118,7 @@ def _generate(config: dict):
     return generate(config["schedule"], config["pp"], **kwargs)
 
 
-def check_schedule(config: dict, as_json: bool, dump: str | None, serialize_lanes: bool = False,
+def check_schedule(config: Config, as_json: bool, dump: str | None, serialize_lanes: bool = False,
                    timeline_path: str | None = None) -> int:
     """Generates one schedule (megatron-core's or torch's), checks it, optionally writes its
     program file (and its timeline)."""
@@ -135,11 +144,11 @@ def check_schedule(config: dict, as_json: bool, dump: str | None, serialize_lane
 
 # ---- the grid -------------------------------------------------------------------------------------
 
-def _run_group(work: tuple[list[dict], bool]) -> list[tuple[dict, str, str, int]]:
+def _run_group(work: tuple[list[Config], bool]) -> list[Result]:
     """Worker: (config, verdict, summary, ops) for configs sharing one schedule shape, with
     lanes serialized or not."""
     configs, serialize_lanes = work
-    out = []
+    out: list[Result] = []
     for config in configs:
         try:
             program = _generate(config)
@@ -155,8 +164,9 @@ _LEGEND = ("columns: 1f1b / intl = interleaved, +ov = overlap_p2p_comm, +var = v
            "par / bat = parity / batched mode; 1L / 2L = lanes")
 
 
-def _column(config: dict) -> str:
-    name = {"interleaved": "intl"}.get(config["schedule"], config["schedule"])
+def _column(config: Config) -> str:
+    schedule: str = config["schedule"]
+    name = {"interleaved": "intl"}.get(schedule, schedule)
     name += ("+ov" if config.get("overlap") else "") + ("+var" if config.get("variable_seq_lengths") else "")
     return f"{name} {config.get('mode', 'parity')[:3]} {config.get('lanes', 2)}L"
 
@@ -171,7 +181,7 @@ def _band(pp: int) -> str:
 FAMILIES = ("all", "megatron", "torch")
 
 
-def _grid_configs(full: bool, family: str) -> list[dict]:
+def _grid_configs(full: bool, family: str) -> list[Config]:
     from . import schedules, torch_schedules
 
     return ((schedules.grid_configs(full) if family != "torch" else [])
@@ -179,12 +189,12 @@ def _grid_configs(full: bool, family: str) -> list[dict]:
 
 
 def grid_results(full: bool = True, jobs: int = 1, serialize_lanes: bool = False,
-                 family: str = "megatron") -> list[tuple[dict, str, str, int]]:
+                 family: str = "megatron") -> list[Result]:
     """(config, verdict, summary, ops) for every config of the grid megatron-core accepts
     (family "megatron"), of torch's rows ("torch": verdict "skip" where torch refuses the
     configuration), or both ("all"); serialize_lanes: each rank's lanes run in one queue in
     issue order."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
+    groups: dict[tuple[tuple[str, Any], ...], list[Config]] = defaultdict(list)
     for c in _grid_configs(full, family):
         if "skip" not in c:  # torch's rows share their action lists across defer and eager
             shape = (_SHAPE_KEYS + ("defer_pp_recv",)) if c["schedule"].startswith(TORCH_PREFIX) else _SHAPE_KEYS
@@ -192,7 +202,7 @@ def grid_results(full: bool = True, jobs: int = 1, serialize_lanes: bool = False
     # Largest first, so the last job to finish is a small one.
     ordered = sorted(groups.values(), key=lambda g: -g[0]["pp"] * g[0].get("vpp", 1) * (g[0].get("microbatches") or 0))
     work = [(group, serialize_lanes) for group in ordered]
-    results: list[tuple[dict, str, str, int]] = []
+    results: list[Result] = []
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
             for part in pool.imap_unordered(_run_group, work):
@@ -227,7 +237,7 @@ def run_grid(full: bool, jobs: int, as_json: bool, serialize_lanes: bool = False
             print(_torch_table(torch_rows, refused))
         for config, _verdict, summary, _ in sorted(failures, key=lambda r: _describe(r[0]))[:40]:
             print(f"  {_describe(config)}: {summary}")
-    counts = defaultdict(int)
+    counts: defaultdict[str, int] = defaultdict(int)
     for r in results:
         counts[r[1]] += 1
     total = (f"grid: {len(results)} configs checked ({sum(r[3] for r in results):,} ops), "
@@ -238,7 +248,7 @@ def run_grid(full: bool, jobs: int, as_json: bool, serialize_lanes: bool = False
     return 0 if not failures else 1
 
 
-def _table(results: list[tuple[dict, str, str, int]], skipped: list[dict]) -> str:
+def _table(results: list[Result], skipped: list[Config]) -> str:
     columns = sorted({_column(r[0]) for r in results})
     bands = [_band(low) for low, _ in PP_BANDS]
     cells: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
@@ -262,14 +272,14 @@ def _table(results: list[tuple[dict, str, str, int]], skipped: list[dict]) -> st
     return "\n".join(lines)
 
 
-def _torch_variant(config: dict) -> str:
-    name = config["schedule"][len(TORCH_PREFIX):]
+def _torch_variant(config: Config) -> str:
+    name: str = config["schedule"][len(TORCH_PREFIX):]
     if not config.get("defer_pp_recv"):
         return name
     return name + (" +defer buffered" if config.get("eager_threshold") else " +defer")
 
 
-def _torch_table(results: list[tuple[dict, str, str, int]], refused: list) -> str:
+def _torch_table(results: list[Result], refused: list[Result]) -> str:
     """Rows: torch class (with defer_pp_recv, under strict rendezvous and with every send
     buffered); columns: pp ranges; a cell counts the verdicts of its configs."""
     from .torch_schedules import NAMES
@@ -357,8 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeline:
         from .timeline import check_path
 
-        if check_path(args.timeline):
-            parser.error(check_path(args.timeline))
+        problem = check_path(args.timeline)
+        if problem:
+            parser.error(problem)
         if args.grid or len(args.files) > 1:
             parser.error("--timeline draws one program: give one FILE or --schedule")
     if args.grid:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
 import torch
@@ -27,6 +27,12 @@ import torch.distributed as dist
 from .. import _C, p2p_communication
 from .program import Program, ProgramBuilder
 from .schedules import DEFAULT_TENSOR_BYTES, MODES, SCHEDULES, SLOTS, Rank, RankCall, emit, megatron_refusal
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # megatron-core's loss function: the loss, and what it reports of it
+    _LossFunc: TypeAlias = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 _SEQ_LENGTH, _MICRO_BATCH = 2, 2  # the recorded tensors are (seq, micro batch, hidden) float32
 
@@ -50,7 +56,7 @@ class _Request:
 
     __slots__ = ("_rank", "_call", "_slot")
 
-    def __init__(self, rank: Rank, call: int, slot: str):
+    def __init__(self, rank: Rank, call: int, slot: str | int):  # a slot, or a step's op index
         self._rank, self._call, self._slot = rank, call, slot
 
     def wait(self) -> None:
@@ -64,8 +70,9 @@ class _Request:
 
 
 class RecordingCommunicator:
-    """Duck-types megatron_p2p's Communicator for P2PCommunicator: `exchange` records the
-    call into `rank` (a schedules.Rank) and returns requests whose waits are recorded."""
+    """Duck-types megatron_p2p's Communicator for P2PCommunicator (as much of it as
+    p2p_communication.CommunicatorLike names): `exchange` records the call into `rank` (a
+    schedules.Rank) and returns requests whose waits are recorded."""
 
     backend = "shm"
     device = torch.device("cpu")
@@ -93,8 +100,10 @@ class RecordingCommunicator:
         """What the shm communicator it stands for checks of a tensor before posting it."""
         _C.check_tensor(tensor, name)
 
-    def exchange(self, send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode="parity",
-                 prev_rank=None, next_rank=None, call=None) -> dict[str, _Request]:
+    def exchange(self, send_next: torch.Tensor | None = None, recv_prev: torch.Tensor | None = None,
+                 send_prev: torch.Tensor | None = None, recv_next: torch.Tensor | None = None, *, mode: str = "parity",
+                 prev_rank: int | None = None, next_rank: int | None = None,
+                 call: str | None = None) -> dict[str, _Request]:
         """Records one exchange (prev_rank / next_rank must be the ring neighbours, as
         P2PCommunicator leaves them); receives are filled so that the schedule can go on."""
         if mode not in MODES:
@@ -109,11 +118,12 @@ class RecordingCommunicator:
         for slot, t in zip(SLOTS, tensors):
             if t is not None and slot.startswith("recv"):
                 self._fill(t)
-        specs = (None if t is None else _spec(t, slot) for slot, t in zip(SLOTS, tensors))
-        index = self.recorded.post(call or "", *specs)
+        sn, rp, sp, rn = (None if t is None else _spec(t, slot) for slot, t in zip(SLOTS, tensors))
+        index = self.recorded.post(call or "", sn, rp, sp, rn)
         return {slot: _Request(self.recorded, index, slot) for slot, t in zip(SLOTS, tensors) if t is not None}
 
-    def batch(self, ops, *, lane=0, call=None) -> list[_Request]:
+    def batch(self, ops: Sequence[tuple[bool, torch.Tensor, int]], *, lane: int = 0,
+              call: str | None = None) -> list[_Request]:
         """Records one step of (is_send, tensor, global peer) ops on `lane`."""
         for is_send, t, _ in ops:
             if not is_send:
@@ -151,7 +161,9 @@ def _megatron_environment() -> Iterator[None]:
 
     created = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+        from torch._C._distributed_c10d import HashStore  # torch.distributed does not re-export it
+
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=60))
         created = True
 
@@ -161,7 +173,8 @@ def _megatron_environment() -> Iterator[None]:
         return isinstance(device, torch.device) and device.type == "cuda"
 
     class CudaToCpu(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Callable[..., Any], types: Collection[type], args: Sequence[Any] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
             kwargs = kwargs or {}
             if is_cuda(kwargs.get("device")):
                 kwargs = {**kwargs, "device": "cpu"}
@@ -181,7 +194,7 @@ def _megatron_environment() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _stage_model(config: Any, hidden: int, first: bool):
+def _stage_model(config: Any, hidden: int, first: bool) -> torch.nn.Module:
     from megatron.core.enums import ModelType
 
     class Stage(torch.nn.Module):
@@ -197,17 +210,18 @@ def _stage_model(config: Any, hidden: int, first: bool):
             self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.linear(x)
+            out: torch.Tensor = self.linear(x)
+            return out
 
     return Stage()
 
 
-def _loss(out: torch.Tensor):
+def _loss(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = (out.float() ** 2).mean()
     return loss, {"loss": loss.detach()}
 
 
-def _forward_step(data_iterator: Iterator[torch.Tensor], model: Any):
+def _forward_step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple[torch.Tensor, _LossFunc]:
     x = next(data_iterator) if model.first else model.input_tensor
     return model(x), _loss
 
@@ -238,7 +252,7 @@ def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mod
     header = _header_of((_SEQ_LENGTH, _MICRO_BATCH, hidden), torch.float32)
     run = (mcore_schedules.forward_backward_pipelining_with_interleaving if schedule == "interleaved"
            else mcore_schedules.forward_backward_pipelining_without_interleaving)
-    out = []
+    out: list[list[RankCall]] = []
     with _megatron_environment():
         me = dist.get_rank()
         for stage in range(pp):
@@ -252,7 +266,10 @@ def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mod
             config.hidden_size = hidden
             rank = Rank()
             comm = RecordingCommunicator(rank, stage, ranks, lanes, header, mode)
-            p2p = p2p_communication.P2PCommunicator(_Group(stage, pp, ranks), config, mode=mode, comm=comm)
+            # A stand-in group: P2PCommunicator reads its ranks through group_ranks, which
+            # _megatron_environment patches to take them from it.
+            group = cast(dist.ProcessGroup, _Group(stage, pp, ranks))
+            p2p = p2p_communication.P2PCommunicator(group, config, mode=mode, comm=comm)
             alone = _Group(0, 1, (me,))
             models = [_stage_model(config, hidden, first=(stage == 0 and c == 0)) for c in range(vpp)]
             data = [itertools.repeat(torch.zeros(_SEQ_LENGTH, _MICRO_BATCH, hidden)) for _ in range(vpp)]

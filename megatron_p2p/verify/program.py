@@ -18,11 +18,15 @@ from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .. import _C
+
+if TYPE_CHECKING:
+    import builtins  # _Reader's methods int, bool and str shadow the types in its body
+    from typing import TypedDict
 
 FORMAT = "megatron_p2p.program/1"
 SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
@@ -43,6 +47,17 @@ _EXCHANGE_FLAGS = {("parity", True): 1, ("parity", False): 0, ("batched", True):
 
 
 Await = int | tuple[int, str | int]  # a whole earlier call, or one op of it
+
+if TYPE_CHECKING:
+    OpSpec = tuple[int, str, str]  # an exchange slot's (bytes, dtype, label)
+
+    class _SlotSpecs(TypedDict, total=False):
+        """ProgramBuilder.exchange's slots, for callers that pass them as a dict."""
+
+        send_next: OpSpec | None
+        recv_prev: OpSpec | None
+        send_prev: OpSpec | None
+        recv_next: OpSpec | None
 
 
 class ProgramError(ValueError):
@@ -168,7 +183,7 @@ class ProgramBuilder:
     def exchange(self, rank: int, *, send_next: tuple[int, str, str] | None = None,
                  recv_prev: tuple[int, str, str] | None = None, send_prev: tuple[int, str, str] | None = None,
                  recv_next: tuple[int, str, str] | None = None, mode: str = "parity", prev: int | None = None,
-                 next: int | None = None, wait: bool = True, name: str = "", awaits: Sequence[int] = ()) -> int:
+                 next: int | None = None, wait: bool = True, name: str = "", awaits: Sequence[Await] = ()) -> int:
         """Adds a pipeline exchange on `rank`; each slot is None or (bytes, dtype, label).
         Returns the call's index on that rank."""
         # The grid builds hundreds of millions of these: checks are cached per (bytes, dtype).
@@ -238,7 +253,7 @@ class ProgramBuilder:
                             "itself; a self send needs its receive in the same step")
 
     def steps(self, rank: int, steps: Sequence[tuple[int, Sequence[tuple[str, int, int, str, str]]]], *,
-              wait: bool = True, name: str = "", awaits: Sequence[int] = ()) -> int:
+              wait: bool = True, name: str = "", awaits: Sequence[Await] = ()) -> int:
         """Adds a call of explicit steps on `rank`: [(lane, [(kind, peer, bytes, dtype, label), ...]), ...].
         Returns the call's index on that rank."""
         self._rank(rank)
@@ -279,7 +294,9 @@ class ProgramBuilder:
         if call.exchange is not None:
             ex = call.exchange
             return self.exchange(rank, mode=ex.mode, prev=ex.prev, next=ex.next, wait=call.wait, name=call.name,
-                                 awaits=call.awaits, **{slot: tuple(spec) for slot, spec in ex.ops.items()})
+                                 awaits=call.awaits,
+                                 # a slot that is not (bytes, dtype, label) is refused by exchange()
+                                 **cast("_SlotSpecs", {slot: tuple(spec) for slot, spec in ex.ops.items()}))
         steps = [(step[0].lane if step else 0, [(o.kind, o.peer, o.bytes, o.dtype, o.label) for o in step])
                  for step in call.steps]
         for s, step in enumerate(call.steps):
@@ -300,12 +317,14 @@ class ProgramBuilder:
 
 
 @functools.cache
-def _plan(mode: str, lanes: int, rank: int, names: tuple[str, ...], prev_self: bool, next_self: bool):
+def _plan(mode: str, lanes: int, rank: int, names: tuple[str, ...], prev_self: bool,
+          next_self: bool) -> list[tuple[int, tuple[str, ...]]]:
     # The plan depends on the rank only through its parity; callers pass the rank itself.
     return _C.plan(mode, lanes, rank, names, prev_self, next_self)
 
 
-def _plan_for(mode: str, lanes: int, rank: int, names: tuple[str, ...], prev_self: bool, next_self: bool):
+def _plan_for(mode: str, lanes: int, rank: int, names: tuple[str, ...], prev_self: bool,
+              next_self: bool) -> list[tuple[int, tuple[str, ...]]]:
     return _plan(mode, lanes, rank % 2, names, prev_self, next_self)
 
 
@@ -316,6 +335,15 @@ class Program:
     packed form directly. Equal programs compare equal whichever way they were made."""
 
     __slots__ = ("size", "lanes", "eager_threshold", "_streams", "_labels", "_names", "_offsets", "_ranks")
+    # The slots' types (set with object.__setattr__: a Program is immutable).
+    size: int
+    lanes: int
+    eager_threshold: int
+    _streams: tuple[bytes, ...]  # per rank: the packed int64 records
+    _labels: tuple[tuple[str, ...], ...]  # per rank: each op's label, in record order
+    _names: tuple[tuple[str, ...], ...]  # per rank: each call's name
+    _offsets: tuple[tuple[int, ...], ...]  # per rank: each call's record position in its stream
+    _ranks: tuple[tuple[Call, ...], ...] | None  # the decoded Calls, once read
 
     def __init__(self, size: int, lanes: int, eager_threshold: int = 0, ranks: Iterable[Iterable[Call]] = ()) -> None:
         builder = ProgramBuilder(size, lanes, eager_threshold)
@@ -330,7 +358,9 @@ class Program:
             object.__setattr__(self, name, getattr(built, name))
 
     @classmethod
-    def _packed(cls, size, lanes, eager_threshold, streams, labels, names, offsets) -> Program:
+    def _packed(cls, size: int, lanes: int, eager_threshold: int, streams: tuple[bytes, ...],
+                labels: tuple[tuple[str, ...], ...], names: tuple[tuple[str, ...], ...],
+                offsets: tuple[tuple[int, ...], ...]) -> Program:
         self = object.__new__(cls)
         for name, value in zip(cls.__slots__, (size, lanes, eager_threshold, streams, labels, names, offsets, None)):
             object.__setattr__(self, name, value)
@@ -366,10 +396,11 @@ class Program:
     @property
     def ranks(self) -> tuple[tuple[Call, ...], ...]:
         """Each rank's Calls, exchange calls expanded by the runtime's plan (built on first use)."""
-        if self._ranks is None:
-            object.__setattr__(self, "_ranks", tuple(
-                tuple(self.call(r, i) for i in range(len(self._names[r]))) for r in range(self.size)))
-        return self._ranks
+        ranks = self._ranks
+        if ranks is None:
+            ranks = tuple(tuple(self.call(r, i) for i in range(len(self._names[r]))) for r in range(self.size))
+            object.__setattr__(self, "_ranks", ranks)
+        return ranks
 
     def call(self, rank: int, index: int) -> Call:
         """Rank `rank`'s call number `index`, decoded from the packed form."""
@@ -502,7 +533,7 @@ class _Reader:
             err = ProgramError(f"{self.source}: {err}")
         return err
 
-    def keys(self, obj: Any, path: str, allowed: set[str], required: Iterable[str], what: str) -> dict:
+    def keys(self, obj: Any, path: str, allowed: set[str], required: Iterable[str], what: str) -> dict[str, Any]:
         if not isinstance(obj, dict):
             raise self.fail(path, f"{what} must be a JSON object, got {_json_type(obj)}")
         for key in obj:
@@ -529,7 +560,7 @@ class _Reader:
             raise self.fail(path, f"must be a string, got {json.dumps(obj)}")
         return obj
 
-    def payload(self, obj: dict, path: str) -> tuple[int, str]:
+    def payload(self, obj: dict[builtins.str, Any], path: builtins.str) -> tuple[builtins.int, builtins.str]:
         dtype = obj["dtype"]
         if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
             raise self.fail(f"{path}.dtype", f"unknown dtype {json.dumps(dtype)}; one of {', '.join(_C.DTYPE_NAMES)}")
@@ -578,13 +609,13 @@ def from_dict(obj: Any, source: str = "<dict>") -> Program:
     return builder.build()
 
 
-def _read_common(rd: _Reader, call: dict, path: str, index: int) -> tuple[bool, str, tuple[int, ...]]:
+def _read_common(rd: _Reader, call: dict[str, Any], path: str, index: int) -> tuple[bool, str, tuple[Await, ...]]:
     wait = rd.bool(call.get("wait", True), f"{path}.wait")
     name = rd.str(call.get("call", ""), f"{path}.call")
     awaits = call.get("await", [])
     if not isinstance(awaits, list):
         raise rd.fail(f"{path}.await", f"must be a list of earlier call indices, got {_json_type(awaits)}")
-    out = []
+    out: list[Await] = []
     for i, a in enumerate(awaits):
         ap = f"{path}.await[{i}]"
         if index == 0:
@@ -598,7 +629,7 @@ def _read_common(rd: _Reader, call: dict, path: str, index: int) -> tuple[bool, 
     return wait, name, tuple(out)
 
 
-def _read_exchange_call(rd: _Reader, builder: ProgramBuilder, call: dict, path: str, r: int, c: int,
+def _read_exchange_call(rd: _Reader, builder: ProgramBuilder, call: dict[str, Any], path: str, r: int, c: int,
                         size: int) -> None:
     rd.keys(call, path, _EXCHANGE_CALL_KEYS, ("exchange",), "an exchange call")
     wait, name, awaits = _read_common(rd, call, path, c)
@@ -608,32 +639,34 @@ def _read_exchange_call(rd: _Reader, builder: ProgramBuilder, call: dict, path: 
     prev = rd.int(call.get("prev", (r - 1) % size), f"{path}.prev", 0, size - 1, "prev")
     nxt = rd.int(call.get("next", (r + 1) % size), f"{path}.next", 0, size - 1, "next")
     ops = rd.keys(call["exchange"], f"{path}.exchange", set(SLOTS), (), "an exchange")
-    specs: dict[str, tuple[int, str, str]] = {}
+    specs: dict[str, OpSpec] = {}
     for slot, spec in ops.items():
         p = f"{path}.exchange.{slot}"
         rd.keys(spec, p, _OPSPEC_KEYS, ("bytes", "dtype"), f"the {slot} op")
         nbytes, dtype = rd.payload(spec, p)
         specs[slot] = (nbytes, dtype, rd.str(spec.get("label", ""), f"{p}.label"))
     try:
-        builder.exchange(r, mode=mode, prev=prev, next=nxt, wait=wait, name=name, awaits=awaits, **specs)
+        # specs' keys are slots: rd.keys allowed no other
+        builder.exchange(r, mode=mode, prev=prev, next=nxt, wait=wait, name=name, awaits=awaits,
+                         **cast("_SlotSpecs", specs))
     except ProgramError as e:  # what needs the rank's earlier calls: awaits, a self exchange
         raise _at_path(rd, path, e) from None
 
 
-def _read_steps_call(rd: _Reader, builder: ProgramBuilder, call: dict, path: str, r: int, c: int, size: int,
+def _read_steps_call(rd: _Reader, builder: ProgramBuilder, call: dict[str, Any], path: str, r: int, c: int, size: int,
                      lanes: int) -> None:
     rd.keys(call, path, _STEPS_CALL_KEYS, (), "a steps call")
     wait, name, awaits = _read_common(rd, call, path, c)
     steps = call.get("steps", [])
     if not isinstance(steps, list):
         raise rd.fail(f"{path}.steps", f"must be a list of steps (lists of ops), got {_json_type(steps)}")
-    packed = []
+    packed: list[tuple[int, list[tuple[str, int, int, str, str]]]] = []
     for s, step in enumerate(steps):
         sp = f"{path}.steps[{s}]"
         if not isinstance(step, list) or not step:
             raise rd.fail(sp, "a step must be a non-empty list of ops")
-        ops = []
-        lane0 = None
+        ops: list[tuple[str, int, int, str, str]] = []
+        lane0: int | None = None
         balance = 0
         for i, op in enumerate(step):
             op_path = f"{sp}[{i}]"
@@ -659,6 +692,7 @@ def _read_steps_call(rd: _Reader, builder: ProgramBuilder, call: dict, path: str
             ops.append((kind, peer, nbytes, dtype, label))
         if balance:
             raise rd.fail(sp, "a send to this rank itself needs its receive in the same step (and the other way round)")
+        assert lane0 is not None  # the step has an op
         packed.append((lane0, ops))
     try:
         builder.steps(r, packed, wait=wait, name=name, awaits=awaits)
@@ -688,7 +722,7 @@ def load(path: str | os.PathLike[str]) -> Program:
     return loads(text, os.fspath(path))
 
 
-def _call_dict(program: Program, rank: int, index: int) -> dict:
+def _call_dict(program: Program, rank: int, index: int) -> dict[str, Any]:
     call = program.call(rank, index)
     out: dict[str, Any] = {}
     if call.exchange is not None:
@@ -706,13 +740,13 @@ def _call_dict(program: Program, rank: int, index: int) -> dict:
     if not call.wait:
         out["wait"] = False
     if call.awaits:
-        out["await"] = [a if type(a) is int else list(a) for a in call.awaits]
+        out["await"] = [a if isinstance(a, int) else list(a) for a in call.awaits]  # (decoded awaits hold no bools)
     if call.name:
         out["call"] = call.name
     return out
 
 
-def _op_dict(op: Op) -> dict:
+def _op_dict(op: Op) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": op.kind, "peer": op.peer}
     if op.lane:
         out["lane"] = op.lane
@@ -723,7 +757,7 @@ def _op_dict(op: Op) -> dict:
     return out
 
 
-def to_dict(program: Program) -> dict:
+def to_dict(program: Program) -> dict[str, Any]:
     """The JSON object of a program; from_dict(to_dict(p)) == p."""
     return {"format": FORMAT, "size": program.size, "lanes": program.lanes,
             "eager_threshold": program.eager_threshold,

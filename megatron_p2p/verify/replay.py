@@ -80,7 +80,7 @@ class _Rank:
 
     def _post(self, call: prog.Call) -> dict[Any, Any]:
         ranks = self.comm.ranks
-        posted: list[tuple[Any, torch.Tensor | None, torch.Tensor | None, str]] = []
+        posted: list[tuple[Any, torch.Tensor, torch.Tensor | None, str]] = []
         if call.exchange is not None:
             ex = call.exchange
             tensors: dict[str, torch.Tensor] = {}
@@ -116,7 +116,7 @@ class _Rank:
     def finished_failures(self) -> list[BaseException]:
         """What the finished ops raise: a rank that stops at one failure may hold others that
         explain it (a receive that mismatched before the rank blocked elsewhere)."""
-        out = []
+        out: list[BaseException] = []
         for reqs in self.reqs:
             for r in reqs.values():
                 if r.is_completed():

@@ -31,11 +31,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .. import shape_headers
 from ..p2p_communication import HEADER_BYTES, HEADER_CALL
 from .program import Program, ProgramBuilder, _plan_for
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from .program import OpSpec
+
+    _Handle: TypeAlias = tuple[int, str | int]  # (call, slot) of an exchange, (call, op index) of a step
 
 SCHEDULES = ("1f1b", "interleaved")
 MODES = ("parity", "batched")
@@ -51,7 +58,7 @@ HEADER = (HEADER_BYTES, "int64")  # the shape round's message: int64 words
 # where each slot is None or (bytes, dtype, label) and awaits are (call, slot) pairs; or one step
 # for ProgramBuilder.steps: [name, STEP, (lane, ops), None, None, wait, awaits] with ops
 # [(kind, peer, bytes, dtype, label)] and awaits (call, slot or op index).
-RankCall = list
+RankCall = list[Any]
 STEP = "step"
 _SLOT_FIELD = {s: 1 + i for i, s in enumerate(SLOTS)}  # slot -> its field in a RankCall
 
@@ -71,11 +78,11 @@ class Rank:
     def __init__(self) -> None:
         self.calls: list[RankCall] = []
         self._left: list[int] = []                # per call: its ops not waited yet
-        self._waited: set[tuple[int, str]] = set()
-        self._window: list[tuple[int, str]] = []  # waited since the last post
+        self._waited: set[_Handle] = set()
+        self._window: list[_Handle] = []  # waited since the last post
 
-    def post(self, name: str, send_next=None, recv_prev=None, send_prev=None, recv_next=None,
-             waited: bool = False) -> int:
+    def post(self, name: str, send_next: OpSpec | None = None, recv_prev: OpSpec | None = None,
+             send_prev: OpSpec | None = None, recv_next: OpSpec | None = None, waited: bool = False) -> int:
         """Records one exchange call (each slot None or (bytes, dtype, label)); returns its
         index, or -1 when it posts nothing (P2PCommunicator's empty exchange). waited: the
         rank waits for all of its ops straight away (what a blocking call does)."""
@@ -95,13 +102,15 @@ class Rank:
         self._left.append(len(ops))
         return len(self.calls) - 1
 
-    def wait(self, call: int, slot: Any) -> None:
+    def wait(self, call: int, slot: str | int) -> None:
         """The rank blocks on one op of an earlier call, by slot (an exchange) or index (a step);
         waiting again changes nothing."""
         posted = 0 <= call < len(self.calls)
         if posted and self.calls[call][1] == STEP:
             posted = type(slot) is int and 0 <= slot < len(self.calls[call][2][1])
         elif posted:
+            if not isinstance(slot, str):
+                raise KeyError(slot)  # an exchange's ops go by slot name: what _SLOT_FIELD[slot] raises
             posted = self.calls[call][_SLOT_FIELD[slot]] is not None
         if not posted:
             raise ValueError(f"wait on {slot} of call {call}, which did not post it")
@@ -117,7 +126,7 @@ class Rank:
             self._close_window()
         return self.calls
 
-    def _close_window(self) -> tuple[tuple[int, str], ...]:
+    def _close_window(self) -> tuple[_Handle, ...]:
         window, self._window = self._window, []
         left = self._left
         for call, _ in window:
@@ -141,7 +150,8 @@ class _P2P:
         self.rank, self.stage, self.pp, self.variable, self.lanes = rank, stage, pp, variable, lanes
         self.first, self.last = stage == 0, stage == pp - 1
 
-    def communicate(self, name: str, send_next, recv_prev, send_prev, recv_next, wait: bool = True):
+    def communicate(self, name: str, send_next: OpSpec | None, recv_prev: OpSpec | None, send_prev: OpSpec | None,
+                    recv_next: OpSpec | None, wait: bool = True) -> dict[str, _Handle] | None:
         """P2PCommunicator._communicate. Returns the handles {slot: (call, slot or op)} when
         wait is False."""
         rank = self.rank
@@ -162,19 +172,22 @@ class _P2P:
             rank.wait(*h)
         return None
 
-    def _with_headers(self, name: str, specs: dict) -> tuple[dict, list]:
+    def _with_headers(self, name: str, specs: dict[str, OpSpec | None]) -> tuple[dict[str, _Handle], list[_Handle]]:
         """Posts one exchange step by step with its shape headers; returns its data ops
         {slot: (call, op)} and its header sends [(call, op)]."""
-        rank, stage, pp = self.rank, self.stage, self.pp
+        rank, stage, pp, lanes = self.rank, self.stage, self.pp, self.lanes
+        assert lanes is not None  # rank_calls plans variable programs for a lane count
         peer = {"send_next": (stage + 1) % pp, "recv_next": (stage + 1) % pp,
                 "send_prev": (stage - 1) % pp, "recv_prev": (stage - 1) % pp}
+        given = {s: t for s, t in specs.items() if t is not None}  # the plan's ops are these slots
         present = tuple(s for s in SLOTS if specs[s] is not None)
-        plan = _plan_for("parity", self.lanes, stage, present, peer["recv_prev"] == stage, peer["send_next"] == stage)
-        handles, header_sends = {}, []
+        plan = _plan_for("parity", lanes, stage, present, peer["recv_prev"] == stage, peer["send_next"] == stage)
+        handles: dict[str, _Handle] = {}
+        header_sends: list[_Handle] = []
         for headers, lane, ops in shape_headers.round_steps(plan):
             h = rank.post_step(SHAPE_ROUND if headers else name, lane,
-                               [("send" if s in SENDS else "recv", peer[s], *(_header(specs[s][2]) if is_header
-                                                                            else specs[s])) for s, is_header in ops])
+                               [("send" if s in SENDS else "recv", peer[s], *(_header(given[s][2]) if is_header
+                                                                            else given[s])) for s, is_header in ops])
             for i, (s, is_header) in enumerate(ops):
                 if headers:
                     rank.wait(h, i)
@@ -185,37 +198,53 @@ class _P2P:
         return handles, header_sends
 
     # megatron-core's methods, as P2PCommunicator implements them (one tensor shape).
-    def recv_forward(self, tensor, is_first_stage: bool) -> None:
+    def recv_forward(self, tensor: OpSpec | None, is_first_stage: bool) -> None:
         if not is_first_stage:
             self.communicate("recv_forward", None, tensor, None, None)
 
-    def recv_backward(self, tensor, is_last_stage: bool) -> None:
+    def recv_backward(self, tensor: OpSpec | None, is_last_stage: bool) -> None:
         if not is_last_stage:
             self.communicate("recv_backward", None, None, None, tensor)
 
-    def send_forward(self, tensor, is_last_stage: bool) -> None:
+    def send_forward(self, tensor: OpSpec | None, is_last_stage: bool) -> None:
         if not is_last_stage:
             self.communicate("send_forward", tensor, None, None, None)
 
-    def send_backward(self, tensor, is_first_stage: bool) -> None:
+    def send_backward(self, tensor: OpSpec | None, is_first_stage: bool) -> None:
         if not is_first_stage:
             self.communicate("send_backward", None, None, tensor, None)
 
-    def send_forward_recv_backward(self, tensor, received, is_last_stage: bool) -> None:
+    def send_forward_recv_backward(self, tensor: OpSpec | None, received: OpSpec | None, is_last_stage: bool) -> None:
         if not is_last_stage:
             self.communicate("send_forward_recv_backward", tensor, None, None, received)
 
-    def send_backward_recv_forward(self, tensor, received, is_first_stage: bool) -> None:
+    def send_backward_recv_forward(self, tensor: OpSpec | None, received: OpSpec | None, is_first_stage: bool) -> None:
         if not is_first_stage:
             self.communicate("send_backward_recv_forward", None, received, tensor, None)
 
-    def send_forward_recv_forward(self, tensor, received, overlap: bool = False):
+    # overlap=True returns the handles, as megatron-core's overlap_p2p_comm does.
+    @overload
+    def send_forward_recv_forward(self, tensor: OpSpec | None, received: OpSpec | None,
+                                  overlap: Literal[False] = ...) -> None: ...
+    @overload
+    def send_forward_recv_forward(self, tensor: OpSpec | None, received: OpSpec | None,
+                                  overlap: Literal[True]) -> dict[str, _Handle]: ...
+    def send_forward_recv_forward(self, tensor: OpSpec | None, received: OpSpec | None,
+                                  overlap: bool = False) -> dict[str, _Handle] | None:
         return self.communicate("send_forward_recv_forward", tensor, received, None, None, wait=not overlap)
 
-    def send_backward_recv_backward(self, tensor, received, overlap: bool = False):
+    @overload
+    def send_backward_recv_backward(self, tensor: OpSpec | None, received: OpSpec | None,
+                                    overlap: Literal[False] = ...) -> None: ...
+    @overload
+    def send_backward_recv_backward(self, tensor: OpSpec | None, received: OpSpec | None,
+                                    overlap: Literal[True]) -> dict[str, _Handle]: ...
+    def send_backward_recv_backward(self, tensor: OpSpec | None, received: OpSpec | None,
+                                    overlap: bool = False) -> dict[str, _Handle] | None:
         return self.communicate("send_backward_recv_backward", None, None, tensor, received, wait=not overlap)
 
-    def send_forward_backward_recv_forward_backward(self, act, grad, recv_prev, recv_next) -> None:
+    def send_forward_backward_recv_forward_backward(self, act: OpSpec | None, grad: OpSpec | None,
+                                                    recv_prev: OpSpec | None, recv_next: OpSpec | None) -> None:
         self.communicate("send_forward_backward_recv_forward_backward", act, recv_prev, grad, recv_next)
 
 
@@ -285,7 +314,7 @@ def _interleaved(p2p: _P2P, stage: int, pp: int, vpp: int, microbatches: int, ov
     sent_fwd = [None if (c == vpp - 1 and last) else t for c, t in zip(fwd_chunk, act_at)]
     sent_bwd = [None if (c == 0 and first) else t for c, t in zip(bwd_chunk, grad_at)]
 
-    def received(k: int, forward: bool):
+    def received(k: int, forward: bool) -> OpSpec | None:
         """megatron-core's recv_tensor_from_previous_stage(k): what arrives after virtual
         microbatch k, as its sender sent it (None: nothing)."""
         if not (first if forward else last):
@@ -299,9 +328,10 @@ def _interleaved(p2p: _P2P, stage: int, pp: int, vpp: int, microbatches: int, ov
             return None
         return (act_at if forward else grad_at)[source]
 
-    recv_prev_handles: list[tuple[int, str]] = []
-    recv_next_handles: list[tuple[int, str]] = []
-    send_next_handle = send_prev_handle = None
+    recv_prev_handles: list[_Handle] = []
+    recv_next_handles: list[_Handle] = []
+    send_next_handle: _Handle | None = None
+    send_prev_handle: _Handle | None = None
     wait = p2p.rank.wait
 
     p2p.recv_forward(acts[0][mbs[0]], first)
@@ -374,7 +404,8 @@ def megatron_refusal(schedule: str, pp: int, vpp: int, microbatches: int, overla
     return None
 
 
-def _check(schedule, pp, vpp, microbatches, mode, lanes, overlap, eager_threshold, tensor_bytes, dtype) -> None:
+def _check(schedule: str, pp: int, vpp: int, microbatches: int, mode: str, lanes: int, overlap: bool,
+           eager_threshold: int, tensor_bytes: int, dtype: str) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not isinstance(pp, int) or pp < 1:
@@ -404,7 +435,7 @@ def rank_calls(schedule: str, pp: int, vpp: int, microbatches: int, overlap: boo
     """Every rank's calls for one schedule shape; the same for every mode and lane count, except
     with variable_seq_lengths, whose steps are planned over `lanes`."""
     specs = _Specs(tensor_bytes, dtype, microbatches, vpp)
-    out = []
+    out: list[list[RankCall]] = []
     for stage in range(pp):
         rank = Rank()
         p2p = _P2P(rank, stage, pp, variable, lanes)
@@ -451,12 +482,13 @@ def generate(schedule: str, pp: int, *, vpp: int = 1, microbatches: int | None =
 
 
 @functools.lru_cache(maxsize=1)
-def _built(schedule, pp, vpp, microbatches, mode, overlap, eager_threshold, tensor_bytes, dtype) -> Program:
+def _built(schedule: str, pp: int, vpp: int, microbatches: int, mode: str, overlap: bool, eager_threshold: int,
+           tensor_bytes: int, dtype: str) -> Program:
     return _build(schedule, pp, vpp, microbatches, mode, 2, overlap, False, eager_threshold, tensor_bytes, dtype)
 
 
-def _build(schedule, pp, vpp, microbatches, mode, lanes, overlap, variable, eager_threshold, tensor_bytes,
-           dtype) -> Program:
+def _build(schedule: str, pp: int, vpp: int, microbatches: int, mode: str, lanes: int, overlap: bool,
+           variable: bool, eager_threshold: int, tensor_bytes: int, dtype: str) -> Program:
     builder = ProgramBuilder(pp, lanes, eager_threshold)
     # Only the shape round's steps depend on the lane count; other calls fit every plan.
     calls = rank_calls(schedule, pp, vpp, microbatches, overlap, variable, tensor_bytes, dtype, lanes if variable else None)
@@ -476,7 +508,7 @@ def grid_configs(full: bool = True) -> list[dict[str, Any]]:
     pps = range(1, 65) if full else (1, 2, 3, 4, 5, 8)
     vpps = range(1, 9) if full else (1, 2, 3)
     variables = (False,) if full else (False, True)
-    configs = []
+    configs: list[dict[str, Any]] = []
     for pp in pps:
         for vpp in vpps:
             if vpp > 1 and pp < 2:

@@ -84,7 +84,8 @@ class Verdict:
         if self.verdict == "ok":
             return f"OK in {self.rounds} rounds"
         if self.verdict == "mismatch":
-            send, recv = self.mismatch  # type: ignore[misc]
+            assert self.mismatch is not None  # a mismatch verdict holds its pair
+            send, recv = self.mismatch
             return (f"MISMATCH: rank {send.rank} sends {_payload(send)} to rank {recv.rank}, which expects "
                     f"{_payload(recv)} (message #{send.seq} on lane {send.op.lane})")
         pending = f"{self.num_pending} op{'s' if self.num_pending != 1 else ''} pending"
@@ -100,7 +101,8 @@ class Verdict:
         """Several lines: the summary, then one line per rank of the cycle (or the mismatched pair)."""
         lines = [self.summary()]
         if self.verdict == "mismatch":
-            send, recv = self.mismatch  # type: ignore[misc]
+            assert self.mismatch is not None  # a mismatch verdict holds its pair
+            send, recv = self.mismatch
             lines.append(f"  rank {send.rank}: {send.describe()}")
             lines.append(f"  rank {recv.rank}: {recv.describe()}")
         elif self.verdict == "deadlock":
@@ -117,7 +119,7 @@ def _payload(ref: OpRef) -> str:
     return f"{slot}{ref.op.bytes} bytes of {ref.op.dtype}{label}"
 
 
-def _op_ref(program: Program, t: tuple) -> OpRef:
+def _op_ref(program: Program, t: tuple[int, ...]) -> OpRef:
     rank, call, step, index, seq, kind, peer, lane, nbytes, dtype, slot, label = t[:12]
     op = Op(KINDS[kind], peer, lane, nbytes, _C.DTYPE_NAMES[dtype], program.label(rank, label),
             SLOTS[slot] if slot >= 0 else "")

@@ -43,7 +43,7 @@ class Span:
     end: float
     done: bool
     in_cycle: bool
-    args: dict = field(default_factory=dict, compare=False)
+    args: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -80,7 +80,7 @@ def of_simulation(program: Program, verdict: Verdict, title: str = "") -> Timeli
             args["waits_for"] = blocked[key]
         done = t.done is not None
         spans.append(Span(ref.rank, op.lane, _op_name(op.kind, op.peer, op.label), float(t.posted),
-                          float(t.done if done else end), done, key in blocked, args))
+                          float(t.done if t.done is not None else end), done, key in blocked, args))
     summary = verdict.summary()
     return Timeline(f"{title}: {summary}" if title else summary, "round", float(end), spans)
 
@@ -98,7 +98,7 @@ def of_trace(dumps: Sequence[Dump], report: Report, title: str = "") -> Timeline
     for d in dumps:
         for op in d.ops:
             done = op.t_completed is not None
-            stop = (op.t_completed if done else max(d.time, op.t_posted)) - t0
+            stop = (op.t_completed if op.t_completed is not None else max(d.time, op.t_posted)) - t0
             args = {"bytes": op.nbytes, "dtype": op.dtype, "peer": op.peer, "message": op.seq, "call": op.call,
                     "call_name": op.call_name, "label": op.label, "state": op.state, "waited": op.waited,
                     "communicator": d.communicator}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
@@ -53,7 +53,7 @@ MAX_EAGER = _C.MAX_EAGER_THRESHOLD  # every message of these programs is buffere
 
 # One call of a rank: [name, ops, batched, blocking, awaits], ops a list of
 # (kind, peer, bytes, dtype, label); awaits are call indices or (call, op) pairs.
-TorchCall = list
+TorchCall = list[Any]
 
 
 def act_spec(stage: int, mb: int) -> tuple[int, str, str]:
@@ -76,7 +76,7 @@ class TorchRank:
         self._window: list[Any] = []
         self._done: set[Any] = set()
 
-    def post(self, name: str, ops: Sequence[tuple[int, ...]], batched: bool) -> int:
+    def post(self, name: str, ops: Sequence[tuple[str, int, int, str, str]], batched: bool) -> int:
         awaits, self._window = tuple(self._window), []
         self.calls.append([name, list(ops), batched, False, awaits])
         return len(self.calls) - 1
@@ -206,7 +206,7 @@ def check_config(name: str, pp: int, microbatches: int, stages_per_rank: int, de
 
 
 def _schedule(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool, rank: int = 0,
-              isend: Any = None, irecv: Any = None):
+              isend: Any = None, irecv: Any = None) -> tuple[Any, list[_Stage]]:
     """torch's schedule object for `rank`, over stand-in stages. ValueError carries torch's
     refusal of the configuration."""
     from torch.distributed.pipelining import schedules as ts
@@ -279,7 +279,7 @@ def _translate(order: list[Any], stages: dict[int, _Stage], rank: TorchRank) -> 
     """_PipelineScheduleRuntime._step_microbatches on one rank's lowered actions."""
     from torch.distributed.pipelining import schedules as ts
 
-    recvs: dict[tuple[str, int, int], int] = {}
+    recvs: dict[tuple[str, int, int, int], int] = {}  # (way, stage, microbatch, op) -> call
 
     def post(name: str, ops: list[_Op], kind: str) -> list[int]:
         return [rank.post(name, [(kind, o.peer, *o.tensor)], False) for o in ops]
@@ -302,7 +302,7 @@ def _translate(order: list[Any], stages: dict[int, _Stage], rank: TorchRank) -> 
             if not st.is_last and (s + 1) not in stages:
                 _wait_all(recvs, "b", s, mb)
 
-    def _wait_all(table: dict, way: str, s: int, mb: int) -> None:
+    def _wait_all(table: dict[tuple[str, int, int, int], int], way: str, s: int, mb: int) -> None:
         k = 0
         while (way, s, mb, k) in table:
             rank.wait(table.pop((way, s, mb, k)), 0)
@@ -314,7 +314,8 @@ def _translate(order: list[Any], stages: dict[int, _Stage], rank: TorchRank) -> 
 
 
 @functools.lru_cache(maxsize=1)
-def _lowered(name: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[dict[int, list], dict[int, int]]:
+def _lowered(name: str, pp: int, microbatches: int,
+             stages_per_rank: int) -> tuple[dict[int, list[Any]], dict[int, int]]:
     """torch's lowered action lists (without defer_pp_recv) and its stage-to-rank mapping."""
     sched, _ = _schedule(name, pp, microbatches, stages_per_rank, False)
     return sched.pipeline_order_with_comms, dict(sched.stage_index_to_group_rank)
@@ -334,7 +335,7 @@ def rank_calls(name: str, pp: int, microbatches: int, stages_per_rank: int, defe
         from torch.distributed.pipelining import schedules as ts
 
         orders = ts._defer_recv_ops(orders, stage_to_rank=where.__getitem__)
-    out = []
+    out: list[list[TorchCall]] = []
     for r, indices in enumerate(_stages_of(name, pp, stages_per_rank)):
         stages = [_Stage(i, pp * stages_per_rank, r, pp) for i in indices]
         for st in stages:
@@ -363,8 +364,8 @@ def _recording(rank: TorchRank) -> Iterator[tuple[Any, Any]]:
     """torch.distributed's isend / irecv / batch_isend_irecv record into `rank` meanwhile."""
     import torch.distributed as dist
 
-    def single(kind: str):
-        def op(spec: tuple, dst: int | None = None, group: Any = None, tag: int = 0,
+    def single(kind: str) -> Callable[..., _Work]:
+        def op(spec: tuple[int, str, str], dst: int | None = None, group: Any = None, tag: int = 0,
                group_dst: int | None = None, group_src: int | None = None) -> _Work:
             peer = next(p for p in (dst, group_dst, group_src) if p is not None)
             return _Work(rank, rank.post("isend" if kind == "send" else "irecv", [(kind, peer, *spec)], False), 0)
@@ -391,7 +392,7 @@ def record_calls(name: str, pp: int, *, microbatches: int, stages_per_rank: int 
     from torch.distributed.pipelining import schedules as ts
 
     check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step, executor)
-    out = []
+    out: list[list[TorchCall]] = []
     for r in range(pp):
         rank = TorchRank()
         with _recording(rank) as (isend, irecv):
@@ -446,7 +447,7 @@ def grid_configs(full: bool = True) -> list[dict[str, Any]]:
     eager_threshold MAX_EAGER). Configurations torch refuses are found
     when generated."""
     pps = range(2, 33) if full else (2, 3, 4)
-    configs = []
+    configs: list[dict[str, Any]] = []
     for name in NAMES:
         sprs = (1,) if name in ("GPipe", "1F1B") else (2,) if name in V_SHAPED else (2, 3, 4) if full else (2, 3)
         for pp in pps:

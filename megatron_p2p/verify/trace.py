@@ -21,15 +21,20 @@ import json
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..flight_recorder import FORMAT, REASONS
 from . import program as prog
 from . import timeline
 from .simulate import simulate
+
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    _T = TypeVar("_T")
 
 RING_CAPACITY = 1024  # ops a flight recorder keeps (MP_TRACE_CAPACITY)
 STALE_SECONDS = 60.0
@@ -185,7 +190,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 # ---- loading --------------------------------------------------------------------------------
 
-def _field(obj: dict, key: str, types: Any, where: str, check: Any = None, why: Any = "") -> Any:
+def _field(obj: dict[str, Any], key: str, types: Any, where: str, check: Any = None, why: Any = "") -> Any:
     """obj[key], checked; `why` (a string, or a callable making it only on failure) says what is wrong."""
     if key not in obj:
         raise TraceError(f"{where}: missing field {key!r}")
@@ -196,11 +201,11 @@ def _field(obj: dict, key: str, types: Any, where: str, check: Any = None, why: 
     return value
 
 
-def _as_tuple(types: Any) -> tuple:
+def _as_tuple(types: Any) -> tuple[Any, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _read_op(obj: Any, where: str, rank: int, dump: dict, members: frozenset[int]) -> TraceOp:
+def _read_op(obj: Any, where: str, rank: int, dump: dict[str, Any], members: frozenset[int]) -> TraceOp:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: an op must be an object, got {type(obj).__name__}")
     nonneg = lambda v: v >= 0  # noqa: E731
@@ -354,7 +359,8 @@ class _Group:
     def window(self, channel: Channel) -> int | None:
         """First message number both sides cover, or None when one side is unknown."""
         starts = [self.side_start(channel, k) for k in KINDS]
-        return None if None in starts else max(starts)  # type: ignore[type-var]
+        known = [s for s in starts if s is not None]
+        return max(known) if len(known) == len(starts) else None
 
     def posted(self, channel: Channel, kind: str) -> str:
         """What the owner of `kind` has posted on the channel, in words."""
@@ -388,8 +394,9 @@ def _match(g: _Group, report: CommunicatorReport, explained: set[TraceOp]) -> No
                 continue
             s, r = sends.get(seq), recvs.get(seq)
             if s is None or r is None:
-                if (s or r) not in explained:
-                    alone.append(s or r)  # type: ignore[arg-type]
+                lone = sends[seq] if r is None else r  # the side that has it: seq is one of their keys
+                if lone not in explained:
+                    alone.append(lone)
             elif (s.nbytes, s.dtype) != (r.nbytes, r.dtype):
                 bad.append((s, r))
         if bad:
@@ -416,11 +423,11 @@ def _match(g: _Group, report: CommunicatorReport, explained: set[TraceOp]) -> No
 def _tail_start(g: _Group, ch: Channel) -> int | None:
     """First message number of the channel still unfinished on either side (None: nothing is)."""
     firsts = [min((s for s, op in g.sides[ch][k].items() if op.unfinished), default=None) for k in KINDS]
-    firsts = [f for f in firsts if f is not None]
-    if not firsts:
+    found = [f for f in firsts if f is not None]
+    if not found:
         return None
     window = [g.side_start(ch, k) for k in KINDS if g.owner(ch, k) in g.dumps]
-    return max([min(firsts)] + [w for w in window if w is not None])
+    return max([min(found)] + [w for w in window if w is not None])
 
 
 def _pending_program(g: _Group) -> tuple[prog.Program, dict[tuple[int, int, int, int], TraceOp]]:
@@ -432,8 +439,8 @@ def _pending_program(g: _Group) -> tuple[prog.Program, dict[tuple[int, int, int,
     where: dict[tuple[int, int, int, int], TraceOp] = {}
     for grank, rank in enumerate(g.ranks):
         dump = g.dumps.get(rank)
-        ops = [op for op in (dump.ops if dump else ()) if starts[op.channel] is not None
-               and op.seq >= starts[op.channel]]  # type: ignore[operator]
+        ops = [op for op in (dump.ops if dump else ()) if (first := starts[op.channel]) is not None
+               and op.seq >= first]
         for call_ops in _by_call(ops):
             steps = _steps(call_ops)
             spec = []
@@ -598,7 +605,7 @@ def analyse(dumps: Sequence[Dump], communicator: str | None = None,
     return Report(reports)
 
 
-def _as_trace_error(g: _Group, build: Any) -> Any:
+def _as_trace_error(g: _Group, build: Callable[[_Group], _T]) -> _T:
     try:
         return build(g)
     except prog.ProgramError as exc:
@@ -639,8 +646,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeline", metavar="FILE",
                         help="draw the ops: a Chrome trace (FILE.json, for Perfetto) or a picture (FILE.png)")
     args = parser.parse_args(argv)
-    if args.timeline and timeline.check_path(args.timeline):
-        parser.error(timeline.check_path(args.timeline))
+    problem = timeline.check_path(args.timeline) if args.timeline else None
+    if problem:
+        parser.error(problem)
     try:
         dumps = load_dumps(args.dir)
         report = analyse(dumps, args.communicator, args.stale)
