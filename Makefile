@@ -146,15 +146,17 @@ sanitize: $(DEPS) fakes
 LINT_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O2 -fanalyzer
 CPPCHECK_FLAGS := --quiet --std=c11 --library=posix --library=gnu --library=python --inline-suppr \
 	--enable=warning,performance,portability --error-exitcode=1 -D_GNU_SOURCE -Icsrc
-# Python: ruff (pyproject.toml's rules) over everything, mypy (strict) over the package.
+# Python: ruff (pyproject.toml's rules) over everything, mypy (strict) over the package, stubtest.
 LINT_DEPS := $(VENV)/.lint-installed
 $(LINT_DEPS): $(DEPS)
 	$(PY) -m pip install --quiet ruff==0.17.6 mypy==2.4.1
 	touch $@
 
-lint: $(LINT_DEPS)
+lint: $(LINT_DEPS) $(TESTING)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy megatron_p2p
+	# the extension's stubs (_C.pyi, _testing.pyi) against the built modules
+	$(PY) -m mypy.stubtest megatron_p2p._C megatron_p2p._testing
 	command -v cppcheck >/dev/null || (apt-get update && apt-get install -y cppcheck)
 	include="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" && \
 	for src in csrc/*/*.c; do gcc $(LINT_CFLAGS) -Icsrc -I"$$include" -c $$src -o /dev/null || exit 1; done

@@ -332,8 +332,7 @@ static void report(lane_ctx *c, const posted_step *p, const mp_op *op, const cha
              what, op->detail[0] ? ": " : "", op->detail);
     fprintf(stderr, "%s\n", line);
     char why[SHM_REPORT_BYTES] = "";
-    if (c->t->ops->failure_report)
-        c->t->ops->failure_report(c->t, op, why, sizeof why);
+    mp_transport_failure_report(c->t, op, why, sizeof why);
     if (why[0])
         fprintf(stderr, "%s\n", why);
     c->t->ops->abort(c->t, MP_ERR_ABORTED, c->rank, line);
@@ -377,8 +376,7 @@ static void post_step(lane_ctx *c, const plan_step *plan, int round)
     step->nops = plan->nops;
 
     pthread_mutex_lock(c->gil);
-    if (c->t->ops->begin)
-        c->t->ops->begin(c->t, NULL);
+    mp_transport_begin(c->t, NULL);
     for (int i = 0; i < plan->nops; i++) {
         mp_op *op = &p->ops[i];
         op->seq = op->kind == MP_SEND ? c->send_seq[op->peer]++ : c->recv_seq[op->peer]++;
@@ -388,8 +386,7 @@ static void post_step(lane_ctx *c, const plan_step *plan, int round)
     pthread_mutex_unlock(c->gil);
     mp_result r = c->t->ops->post(c->t, step);
     pthread_mutex_lock(c->gil);
-    if (c->t->ops->end)
-        c->t->ops->end(c->t);
+    mp_transport_end(c->t);
     pthread_mutex_unlock(c->gil);
     if (r != MP_OK) {
         if (!atomic_fetch_add(c->reported, 1))
@@ -448,7 +445,7 @@ static void complete_oldest(lane_ctx *c)
             c->st.arena++;
             c->st.burst_arena += (uint64_t)po->m.burst;
         }
-        else if (mp_shm_single_copy(c->t, op->peer))
+        else if (mp_transport_single_copy(c->t, op->peer))
             c->st.single_copy++;
         else
             c->st.bounce++;

@@ -131,11 +131,9 @@ static int play(const char *which, int print)
     }
     step->nops = 1;
     step->ops[0] = &op;
-    if (t->ops->begin)
-        t->ops->begin(t, NULL);
+    mp_transport_begin(t, NULL);
     r = t->ops->post(t, step); /* the transport owns the step from here */
-    if (t->ops->end)
-        t->ops->end(t);
+    mp_transport_end(t);
     if (r != MP_OK) {
         fprintf(stderr, "rank 1: post: %s\n", mp_result_str(r));
         goto out;
