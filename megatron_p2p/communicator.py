@@ -2,18 +2,16 @@
 carries it to the other ranks, and every rank attaches."""
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
 import time
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from . import _C, flight_recorder, nccl, watchdog
+from . import _C, flight_recorder, nccl, registry, watchdog
 from .stall import StallWatch
 
 if TYPE_CHECKING:
@@ -35,7 +33,6 @@ _STORE_PREFIX = "megatron_p2p"
 # Creation polls the store for the other ranks' keys, backing off to this period, so that Ctrl-C (any
 # Python signal handler) gets a turn while it waits. (A timed-out store.wait() logs a warning.)
 _STORE_POLL_MAX = 0.01
-_live: weakref.WeakSet[_C.Communicator] = weakref.WeakSet()
 _log = logging.getLogger(__name__)
 _told_no_single_copy = False
 
@@ -231,7 +228,7 @@ def init_communicator(
         _tell_if_no_single_copy(comm, ranks)
     if backend == "nccl":
         watchdog.watch(comm, relay, peers, stall)
-    _live.add(comm)
+    registry.add(comm)
     flight_recorder.install(comm)
     return comm
 
@@ -283,8 +280,10 @@ def _tell_if_no_single_copy(comm: _C.Communicator, ranks: list[int]) -> None:
         )
 
 
-@atexit.register
 def _close_live() -> None:
     # A rank that exits with its communicator closed is not reported to its peers as dead.
-    for comm in list(_live):
+    for comm in registry.live():
         comm.close()
+
+
+registry.at_exit(registry.EXIT_CLOSE, _close_live)

@@ -7,7 +7,6 @@ One file per rank and communicator, `<dir>/rank<global rank>.<comm.id>.json`, re
 atomically by each later dump; the format is documented in docs/trace-format.md."""
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -20,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import registry
+
 ENV = "MEGATRON_P2P_TRACE_DIR"
 FORMAT = "megatron_p2p.trace/1"
 REASONS = ("error", "exit", "signal", "watchdog", "stall")
 
 _log = logging.getLogger(__name__)
-# Kept alive until exit, so that a communicator closed and dropped early still gets its exit dump.
-_traced: list[Any] = []
 _lock = threading.Lock()
 _last_error: dict[str, str] = {}  # communicator id -> the last P2PError raised on it
 _hooks_installed = False
@@ -57,7 +56,7 @@ def install(comm: Any) -> None:
     if not os.environ.get(ENV):
         return
     trace_dir()  # a bad directory fails here, not in an error path later
-    ref = weakref.ref(comm)  # a closure holding comm itself would keep it alive forever
+    ref = weakref.ref(comm)  # comm.on_error holding comm itself would be a cycle through the C type
 
     def on_error(exc: BaseException) -> None:
         target = ref()
@@ -65,10 +64,8 @@ def install(comm: Any) -> None:
             _last_error[target.id] = f"{type(exc).__name__}: {exc}"
             dump(target, "error")
 
-    with _lock:
-        if any(c is comm for c in _traced):
-            return
-        _traced.append(comm)
+    if not registry.keep_to_exit(comm):  # kept, so that one closed and dropped early gets its exit dump
+        return
     comm.on_error = on_error
     _install_hooks()
 
@@ -97,9 +94,7 @@ def dump(comm: Any, reason: str, error: str | None = None) -> Path | None:
 
 def dump_all(reason: str) -> list[Path]:
     """Dumps every communicator installed in this process; returns the files written."""
-    with _lock:
-        comms = list(_traced)
-    return [p for p in (dump(c, reason) for c in comms) if p is not None]
+    return [p for p in (dump(c, reason) for c in registry.kept_to_exit()) if p is not None]
 
 
 def to_record(comm: Any, reason: str, error: str | None = None) -> dict[str, Any]:
@@ -138,8 +133,7 @@ def _install_hooks() -> None:
         if _hooks_installed:
             return
         _hooks_installed = True
-    # Registered after communicator.py's own exit hook, so it runs first, before the close.
-    atexit.register(dump_all, "exit")
+    registry.at_exit(registry.EXIT_DUMP, lambda: dump_all("exit"))  # before the closes
     try:
         _previous_sigusr1 = signal.signal(signal.SIGUSR1, _on_sigusr1)
     except ValueError:  # not the main thread: Python handlers can only be set from there

@@ -1,5 +1,5 @@
-"""torch.distributed-style ops over megatron_p2p communicators, and the per-group registry
-that lets code which passes a process group (or nothing) find its communicator.
+"""torch.distributed-style ops over megatron_p2p communicators, and how code which passes a
+process group (or nothing) finds its communicator (from registry.py's live ones).
 
 Communicators are never created here: creation is collective, and creating them lazily at
 first use lets ranks reach it in different orders and hang (Megatron-LM PR #5240). Create one
@@ -14,14 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
-from . import communicator as _communicator
+from . import _C, registry
 
 Request = _C.Request
 Communicator = _C.Communicator
-
-_registered: dict[tuple[int, ...], Communicator] = {}
-
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     """Global ranks of `group` (None: every rank), in group-rank order."""
@@ -39,17 +35,17 @@ def register_communicator(comm: Communicator) -> Communicator:
     it alive until it is closed or replaced. Returns `comm`."""
     if not isinstance(comm, Communicator):
         raise TypeError(f"register_communicator takes a megatron_p2p Communicator, not {type(comm).__name__}")
-    _registered[tuple(comm.ranks)] = comm
+    registry.name(comm)
     return comm
 
 
 def find_communicator(ranks: tuple[int, ...]) -> Communicator | None:
     """The open communicator over exactly `ranks`: the registered one, else the only live one
     that `init_communicator` made; None if there is none. Several unregistered ones: an error."""
-    comm = _registered.get(ranks)
-    if comm is not None and not comm.closed:
+    comm = registry.named(ranks)
+    if comm is not None:
         return comm
-    live = [c for c in list(_communicator._live) if not c.closed and tuple(c.ranks) == ranks]
+    live = [c for c in registry.live() if not c.closed and tuple(c.ranks) == ranks]
     if len(live) > 1:
         raise RuntimeError(
             f"{len(live)} open megatron_p2p communicators span global ranks {list(ranks)}; choose one with "

@@ -32,7 +32,6 @@ calls std::terminate, and the rank would end with SIGABRT after its work had suc
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -41,7 +40,7 @@ import weakref
 
 import torch.distributed as dist
 
-from . import _C, flight_recorder, nccl
+from . import _C, flight_recorder, nccl, registry
 from .stall import StallWatch
 
 ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
@@ -205,8 +204,7 @@ class Watchdog:
 
 
 _watchdog = Watchdog()
-# Registered before communicator.py's atexit close of live communicators, so it runs after it.
-atexit.register(_watchdog.stop)
+registry.at_exit(registry.EXIT_STOP, _watchdog.stop)  # after the closes
 
 
 def watch(comm: _C.Communicator, relay: nccl.AbortRelay, peers: nccl.PeerWatch | None = None,
