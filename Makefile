@@ -8,7 +8,7 @@ EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*/*.c csrc/*/*.h) setup.py
 TEST_JOBS ?=
 
-.PHONY: all build fakes gpu-site demo test test-fast test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
+.PHONY: all build fakes gpu-carry demo test test-fast test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
 
 all: build
 
@@ -67,12 +67,16 @@ build/fakes/libnccl.so.2: $(NCCL_MODEL) tests/fakes/nccl_model.h tests/fakes/mpf
 		'-Wl,-rpath,$$ORIGIN' -lrt && mv $@.tmp $@
 
 # What tests/gpu/run_device_checks.sh takes beside the tree to a GPU machine, which reaches no
-# package index: megatron-core (pure Python) for the schedule checks. Carry build/gpu-site with
-# build/nccl (tests/gpu/build_nccl.sh) and build/device-dry-run (the dry run `make test` leaves).
-gpu-site: $(DEPS)
+# package index: megatron-core (pure Python) for the schedule checks, in build/gpu-site; with
+# NCCL_LIB=FILE, an NCCL 2.30.7 libnccl.so.2 already built (tests/gpu/build_nccl.sh builds one from
+# NVIDIA/nccl's source), checked and copied to build/nccl. Carry build/gpu-site, build/nccl and
+# build/device-dry-run (the dry run `make test` leaves).
+gpu-carry: $(DEPS)
 	rm -rf build/gpu-site
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python --target build/gpu-site megatron-core==0.19.2 packaging
 	find build/gpu-site -name __pycache__ -prune -exec rm -rf {} +
+	if [ -n "$(NCCL_LIB)" ]; then tests/gpu/build_nccl.sh --check "$(NCCL_LIB)" && mkdir -p build/nccl && \
+	  install -m 755 "$(NCCL_LIB)" build/nccl/libnccl.so.2; fi
 
 demo: build
 	$(TORCHRUN) --standalone --nproc-per-node 4 -m megatron_p2p.demo

@@ -18,8 +18,9 @@
 # build/device-dry-run/), and exits nonzero if any failed. The GPU limits add up to 465 s, under
 # the 8 minutes allowed. Results and logs land in $OUT (default ./gpu-results, or
 # build/device-dry-run with --model).
-# Carry to the GPU machine (it reaches no package index): build/nccl (tests/gpu/build_nccl.sh),
-# build/gpu-site (megatron-core: make gpu-site) and build/device-dry-run (make test leaves it).
+# Carry to the GPU machine (it reaches no package index) what `make gpu-carry [NCCL_LIB=FILE]`
+# prepares, build/gpu-site (megatron-core) and build/nccl (NCCL 2.30.7), and build/device-dry-run
+# (make test leaves it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=0
@@ -79,7 +80,7 @@ else
         fi
     fi
     echo "MEGATRON_P2P_NCCL_LIBRARY=${MEGATRON_P2P_NCCL_LIBRARY:-unset, so the loader searches}"
-    # megatron-core, where it travelled with the tree (make gpu-site)
+    # megatron-core, where it travelled with the tree (make gpu-carry)
     [ -d build/gpu-site ] && export PYTHONPATH="$PWD/build/gpu-site${PYTHONPATH:+:$PYTHONPATH}"
     "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
     step build 45 "$PY" setup.py --quiet build_ext --inplace --build-temp build/gpu-temp
