@@ -61,6 +61,30 @@ def communicator(**kwargs: Any) -> mp.Communicator:
     return mp.init_communicator(backend="nccl", timeout=kwargs.pop("timeout", 30.0), **kwargs)
 
 
+def checked_communicator(**kwargs: Any) -> mp.Communicator:
+    """A communicator with debug matching: MEGATRON_P2P_CHECK=1, read when it is created."""
+    os.environ["MEGATRON_P2P_CHECK"] = "1"
+    try:
+        return communicator(**kwargs)
+    finally:
+        del os.environ["MEGATRON_P2P_CHECK"]
+
+
+def disagreement(comm: mp.Communicator, ops: dict[str, torch.Tensor], call: str,
+                 sender: bool) -> tuple[BaseException | None, float, str]:
+    """Posts an exchange its peer disagrees with and waits: (what this rank raised, seconds from
+    the post, where it heard). NCCL may complete a small send before its receive is posted; the
+    receiver's verdict then reaches the sender's next call."""
+    posted = time.monotonic()
+    exc, _ = raised(lambda: settle(comm.exchange(**ops, call=call), timeout=10.0))
+    heard = "at its synchronize"
+    if exc is None and sender:
+        time.sleep(1.0)
+        exc, _ = raised(lambda: comm.exchange(send_next=full(4, 1.0), call="after_mismatch"))
+        heard = "at its next call"
+    return exc, time.monotonic() - posted, heard
+
+
 def settle(reqs: Any, timeout: float = 30.0) -> None:
     """The GPU way (the current stream waits), then a bounded host wait."""
     reqs = list(reqs.values()) if isinstance(reqs, dict) else list(reqs)

@@ -36,7 +36,19 @@ from typing import Any
 
 import target
 import torch
-from two_process_common import T, communicator, full, mp, pattern, raised, same_bytes, settle, zeros
+from two_process_common import (
+    T,
+    checked_communicator,
+    communicator,
+    disagreement,
+    full,
+    mp,
+    pattern,
+    raised,
+    same_bytes,
+    settle,
+    zeros,
+)
 
 from megatron_p2p import program, replay, simulate
 from megatron_p2p.communicator import _env_rendezvous
@@ -136,25 +148,13 @@ def never_posts(comm: mp.Communicator) -> dict:
 
 def size_mismatch(comm: mp.Communicator) -> dict:
     """Debug matching: agreeing sizes delivered; rank 0 sending 1000 floats into 999 named on both."""
-    os.environ["MEGATRON_P2P_CHECK"] = "1"  # read when a communicator is created
-    try:
-        checked = communicator(timeout=20.0)
-    finally:
-        del os.environ["MEGATRON_P2P_CHECK"]
-    with checked:
+    with checked_communicator(timeout=20.0) as checked:
         agree = zeros(1000)
         ops = {"send_next": full(1000, 7.0)} if comm.rank == 0 else {"recv_prev": agree}
         settle(checked.exchange(**ops, call="agreeing"))
         assert comm.rank == 0 or same_bytes(agree, full(1000, 7.0)), "agreeing sizes delivered wrong bytes"
         ops = {"send_next": full(1000, 1.0)} if comm.rank == 0 else {"recv_prev": zeros(999)}
-        posted = time.monotonic()
-        exc, _ = raised(lambda: settle(checked.exchange(**ops, call="too_big"), timeout=10.0))
-        if exc is None and comm.rank == 0:
-            # NCCL may complete a small send before its receive is posted: the receiver's verdict
-            # then reaches the sender's next call.
-            time.sleep(1.0)
-            exc, _ = raised(lambda: checked.exchange(send_next=full(4, 1.0), call="after_mismatch"))
-        elapsed = time.monotonic() - posted
+        exc, elapsed, _ = disagreement(checked, ops, "too_big", sender=comm.rank == 0)
     message = str(exc)
     assert isinstance(exc, mp.P2PError), f"rank {comm.rank} of a size disagreement: {exc!r}"
     for says in ("sends 4000 bytes", "receives 3996 bytes", "rank 0's send_next", "rank 1's recv_prev"):

@@ -39,7 +39,9 @@ from two_process_common import (
     OneFOneB,
     T,
     bounded,
+    checked_communicator,
     communicator,
+    disagreement,
     empty_like,
     full,
     mp,
@@ -128,11 +130,7 @@ def _median_exchange_seconds(comm: mp.Communicator, x: torch.Tensor, y: torch.Te
 def part_debug_matching() -> dict:
     """MEGATRON_P2P_CHECK=1: its cost on agreeing exchanges, and a shape disagreement reported."""
     plain = communicator()
-    os.environ["MEGATRON_P2P_CHECK"] = "1"  # read when a communicator is created
-    try:
-        checked = communicator(timeout=20.0)
-    finally:
-        del os.environ["MEGATRON_P2P_CHECK"]
+    checked = checked_communicator(timeout=20.0)
     x = pattern(64 << 10, torch.uint8, "check", plain.rank)
     y = empty_like(x)
     unchecked_s = _median_exchange_seconds(plain, x, y, 200)
@@ -150,14 +148,7 @@ def part_debug_matching() -> dict:
         ops["send_next"] = sent
     if receiver:
         ops["recv_prev"] = into
-    exc, elapsed = raised(lambda: settle(checked.exchange(**ops, call="shape_mismatch"), timeout=10.0))
-    heard = "at its synchronize"
-    if exc is None and not receiver:
-        # NCCL may complete a small send before its receive is posted: the relayed abort then
-        # reaches the sender's next call.
-        time.sleep(1.0)
-        exc, _ = raised(lambda: checked.exchange(send_next=sent, call="after_mismatch"))
-        heard = "at its next call"
+    exc, elapsed, heard = disagreement(checked, ops, "shape_mismatch", sender=not receiver)
     checked.close()
     message = str(exc)
     if receiver:
