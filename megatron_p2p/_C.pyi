@@ -20,6 +20,9 @@ _SimResult: TypeAlias = tuple[
 # _nccl_issue_trace()'s calls: ('group_start',), ('group_end', lane),
 # ('send' | 'recv', lane, peer, count, nccl_datatype, index).
 _NcclCall: TypeAlias = tuple[str] | tuple[str, int] | tuple[str, int, int, int, int, int]
+# cycle_report()'s rank: (rank, peer, pid, kind, what, nbytes, dtype, lane, message, call, label,
+# partner_posted, lanes_serialized, partner_count)
+_CycleRank: TypeAlias = tuple[int, int, int, str, str, int, str, int, int, str, str, bool, bool, int]
 
 # exchange()'s tensors by slot, for callers that gather them in a dict; None: the slot is unused.
 @type_check_only
@@ -89,6 +92,7 @@ def nccl_unique_id() -> bytes: ...
 def _nccl_issue_trace(
     steps: Iterable[tuple[int, Sequence[tuple[bool, int, int, int]]]], nccl_version: int, /
 ) -> list[_NcclCall]: ...
+def cycle_report(ranks: Sequence[_CycleRank], /) -> str: ...
 def simulate(
     size: int,
     lanes: int,

@@ -136,7 +136,7 @@ class StallWatch:
         report = trace.analyse(dumps)
         for cycle in report.findings("cycle"):
             if self._rank in cycle.ranks and all(waiting.get(r, False) for r in cycle.unposted):
-                return report, (cycle.ranks, _as_shm_report(cycle))
+                return report, (cycle.ranks, cycle.text)  # the one deadlock report grammar
         return report, None
 
 
@@ -158,12 +158,3 @@ def _picture(report: trace.Report, ranks: Sequence[int]) -> str | None:
         lines.append(f"  ranks {', '.join(map(str, quiet))} published nothing: not stalled (computing, or waiting "
                      "outside this communicator)")
     return "\n".join(lines)
-
-
-def _as_shm_report(cycle: trace.Finding) -> str:
-    """The cycle in the words of shm's deadlock report (csrc/shm/deadlock.c), one line per rank."""
-    chain = " -> ".join(map(str, cycle.ranks + cycle.ranks[:1]))
-    lines = cycle.text.split("\n")[1:]
-    return (f"deadlock: ranks {chain} are each blocked in a wait that needs the next one to post an op, or "
-            "whose partner is queued behind the cycle; this wait-for cycle can never resolve:\n"
-            + "\n".join(f"  {line}" for line in lines))

@@ -35,8 +35,8 @@ def test_naive_send_first_ring_is_a_deadlock_of_all_four_ranks(capsys):
     code, out, _ = run_check(capsys, str(PROGRAMS / "naive_send_first_ring.json"))
     assert code == 1
     assert "DEADLOCK: ranks 0 -> 1 -> 2 -> 3 -> 0" in out
-    assert "rank 2: send to rank 3, 4096 bytes of float32, lane 0, message #0, call 0 'isend'" in out
-    assert "queued behind its lane 0 head" in out
+    assert "rank 2 is blocked on isend to rank 3: 4096 bytes of float32, lane 0, message #0, posted by isend" in out
+    assert "rank 3 has posted the matching receive, but it is queued on lane 0 behind rank 3's own blocked op" in out
 
 
 def test_parity_ring_is_ok(capsys):
@@ -63,7 +63,7 @@ def test_megatron_core_shape_round_deadlocks_under_rendezvous(capsys):
     code, out, _ = run_check(capsys, str(PROGRAMS / "megatron_shape_round_pp2.json"))
     assert code == 1
     assert "DEADLOCK: ranks 0 -> 1 -> 0" in out
-    assert "64 bytes of int64, lane 1, message #0, call 6 '_communicate_shapes' (label 'shape grad mb0 chunk1')" in out
+    assert "64 bytes of int64, lane 1, message #0, posted by _communicate_shapes, label 'shape grad mb0 chunk1'" in out
 
 
 def test_megatron_core_shape_round_completes_with_its_headers_buffered(tmp_path, capsys):
@@ -281,7 +281,7 @@ def test_torch_schedule_check_names_defer_pp_recvs_cycle_and_dumps_it(capsys, tm
     code, out, _ = run_check(capsys, "--schedule", "torch:Interleaved1F1B", "--pp", "2", "--microbatches", "2",
                              "--defer-pp-recv", "--dump", str(dump))
     assert code == 1 and out.startswith("torch:Interleaved1F1B pp=2 microbatches=2 defer_pp_recv: DEADLOCK: ranks 0 -> 1")
-    assert "'isend' (label 'act mb1 s2->s3')" in out
+    assert "posted by isend, label 'act mb1 s2->s3'" in out
     assert simulate(load(dump)).verdict == "deadlock"
 
 

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "numbering.h"
 #include "plan.h"
 #include "simulate_internal.h"
 
@@ -286,19 +287,18 @@ static int build_channels(mp_sim *sim)
         sim->chans[c].send_off = off;
         sim->chans[c].recv_off = off + sim->chans[c].nsend;
         off += sim->chans[c].nsend + sim->chans[c].nrecv;
-        sim->chans[c].nsend = sim->chans[c].nrecv = 0;
     }
+    /* Numbered as the runtime numbers them (core/numbering.h), in each rank's issue order. */
+    mp_channel_numbers *numbers = calloc(nchans ? (size_t)nchans : 1, sizeof *numbers);
+    if (!numbers)
+        goto out;
     for (int32_t i = 0; i < sim->nops; i++) {
         sim_op *o = &sim->ops[i];
         sim_chan *ch = &sim->chans[o->chan];
-        if (o->kind == KIND_SEND) {
-            o->seq = ch->nsend++;
-            sim->chan_ops[ch->send_off + o->seq] = i;
-        } else {
-            o->seq = ch->nrecv++;
-            sim->chan_ops[ch->recv_off + o->seq] = i;
-        }
+        o->seq = (int32_t)mp_number_message(&numbers[o->chan], o->kind == KIND_SEND ? MP_SEND : MP_RECV);
+        sim->chan_ops[(o->kind == KIND_SEND ? ch->send_off : ch->recv_off) + o->seq] = i;
     }
+    free(numbers);
     rc = 0;
 out:
     free(keys);

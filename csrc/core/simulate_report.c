@@ -4,30 +4,12 @@
 #include <string.h>
 
 #include "simulate_internal.h"
+#include "waitfor.h"
 
 /* ---- the stuck state: the wait-for graph -------------------------------------------------------
  * Nodes: (rank, queue) for a step queue's head step (simulate_internal.h: a lane's, or the rank's
  * one queue when lanes are serialized) and (rank, wait) for the rank's host wait, numbered
  * rank * (nqueues + 1) + queue, the wait being queue nqueues. */
-
-typedef struct {
-    int32_t target, op;
-} sim_edge;
-
-typedef struct {
-    sim_edge *v;
-    size_t n, cap;
-} edge_list;
-
-static int push_edge(edge_list *l, int32_t target, int32_t op)
-{
-    sim_edge *v = sim_reserve(l->v, l->n, &l->cap, sizeof *v);
-    if (!v)
-        return -1;
-    l->v = v;
-    l->v[l->n++] = (sim_edge){target, op};
-    return 0;
-}
 
 static int32_t node_of(const mp_sim *sim, int32_t rank, int32_t queue) { return rank * (sim->nqueues + 1) + queue; }
 
@@ -64,7 +46,7 @@ static int32_t op_target(const mp_sim *sim, int32_t id)
     }
 }
 
-static int head_edges(const mp_sim *sim, int32_t r, int32_t queue, edge_list *out)
+static int head_edges(const mp_sim *sim, int32_t r, int32_t queue, mp_waitfor_sink *out)
 {
     int32_t q = r * sim->nqueues + queue;
     if (sim->queue_head[q] >= sim->queue_count[q])
@@ -74,7 +56,7 @@ static int head_edges(const mp_sim *sim, int32_t r, int32_t queue, edge_list *ou
         return 0;
     for (int32_t i = st->first_op; i < st->first_op + st->nops; i++) {
         int32_t t = sim->ops[i].done ? -1 : op_target(sim, i);
-        if (t >= 0 && push_edge(out, t, i) != 0)
+        if (t >= 0 && mp_waitfor_add(out, t, i) != 0)
             return -1;
     }
     return 0;
@@ -82,7 +64,7 @@ static int head_edges(const mp_sim *sim, int32_t r, int32_t queue, edge_list *ou
 
 /* Edges of a wait on ops [first, end): each pending op points where it needs, or to its queue's
  * head when it is queued behind it (or only waits for an op of its own group). */
-static int wait_ops_edges(const mp_sim *sim, int32_t first, int32_t end, edge_list *out)
+static int wait_ops_edges(const mp_sim *sim, int32_t first, int32_t end, mp_waitfor_sink *out)
 {
     int32_t behind_head_seen[2] = {0, 0}; /* per queue of the rank */
     for (int32_t i = first; i < end; i++) {
@@ -96,13 +78,13 @@ static int wait_ops_edges(const mp_sim *sim, int32_t first, int32_t end, edge_li
                 continue;
             t = node_of(sim, o->rank, queue); /* its queue's head holds it back */
         }
-        if (push_edge(out, t, i) != 0)
+        if (mp_waitfor_add(out, t, i) != 0)
             return -1;
     }
     return 0;
 }
 
-static int wait_edges(const mp_sim *sim, int32_t r, edge_list *out)
+static int wait_edges(const mp_sim *sim, int32_t r, mp_waitfor_sink *out)
 {
     const sim_rank *rk = &sim->ranks[r];
     switch (rk->state) {
@@ -129,7 +111,7 @@ static int wait_edges(const mp_sim *sim, int32_t r, edge_list *out)
             const sim_step *st = &sim->steps[sim->queue_steps[sim->queue_off[q] + sim->queue_head[q]]];
             for (int32_t i = st->first_op; i < st->first_op + st->nops; i++)
                 if (!sim->ops[i].done) {
-                    if (push_edge(out, node_of(sim, r, queue), i) != 0)
+                    if (mp_waitfor_add(out, node_of(sim, r, queue), i) != 0)
                         return -1;
                     break;
                 }
@@ -166,21 +148,30 @@ static void op_info(const mp_sim *sim, int32_t id, mp_sim_op_info *out)
 }
 
 /* Keeps the edges of `path` that leave a rank: each is an op of that rank needing the next. */
-static int record_path(mp_sim *sim, const int32_t *nodes, const int32_t *ops, size_t n, int closed)
+static int record_path(mp_sim *sim, const mp_waitfor_path *path)
 {
-    sim->cycle = calloc(n ? n : 1, sizeof *sim->cycle);
+    sim->cycle = calloc(path->n ? path->n : 1, sizeof *sim->cycle);
     if (!sim->cycle)
         return -1;
     int32_t per = sim->nqueues + 1;
-    for (size_t i = 0; i < n; i++) {
-        int32_t from = nodes[i] / per, to = nodes[i + 1] / per;
+    size_t edges = path->closed ? path->n : path->n - 1; /* an open chain's last node waits on nothing */
+    for (size_t i = 0; i < edges; i++) {
+        int32_t from = path->nodes[i] / per, to = path->nodes[(i + 1) % path->n] / per;
         if (from == to)
             continue;
-        op_info(sim, ops[i], &sim->cycle[sim->cycle_len].op);
+        op_info(sim, path->via[i], &sim->cycle[sim->cycle_len].op);
         sim->cycle[sim->cycle_len++].waits_for = to;
     }
-    sim->cycle_closed = closed;
+    sim->cycle_closed = path->closed;
     return 0;
+}
+
+/* The search's view of the stuck state (core/waitfor.h): an edge's reason is its op. */
+static int node_edges(void *ctx, int32_t v, mp_waitfor_sink *sink)
+{
+    const mp_sim *sim = ctx;
+    int32_t per = sim->nqueues + 1, r = v / per, queue = v % per;
+    return queue == sim->nqueues ? wait_edges(sim, r, sink) : head_edges(sim, r, queue, sink);
 }
 
 /* Depth-first search from every rank's wait, then every queue; the first cycle found is kept.
@@ -188,89 +179,26 @@ static int record_path(mp_sim *sim, const int32_t *nodes, const int32_t *ops, si
 void sim_find_cycle(mp_sim *sim)
 {
     int32_t per = sim->nqueues + 1, nnodes = sim->size * per;
-    size_t *first = malloc(((size_t)nnodes + 1) * sizeof *first);
-    uint8_t *color = calloc((size_t)nnodes, 1);
-    int32_t *stack = malloc((size_t)nnodes * sizeof *stack), *path_nodes = malloc(((size_t)nnodes + 1) * sizeof *path_nodes);
-    int32_t *path_ops = malloc(((size_t)nnodes + 1) * sizeof *path_ops);
-    size_t *cursor = malloc((size_t)nnodes * sizeof *cursor);
-    edge_list edges = {0};
-    if (!first || !color || !stack || !path_nodes || !path_ops || !cursor)
-        goto oom;
-    for (int32_t v = 0; v < nnodes; v++) {
-        first[v] = edges.n;
-        int32_t r = v / per, queue = v % per;
-        if ((queue == sim->nqueues ? wait_edges(sim, r, &edges) : head_edges(sim, r, queue, &edges)) != 0)
-            goto oom;
-    }
-    first[nnodes] = edges.n;
-    for (int32_t pass = 0; pass < 2; pass++)
+    mp_waitfor_graph g = {nnodes, node_edges, sim};
+    mp_waitfor_path path = {0};
+    int32_t *starts = malloc((size_t)(nnodes ? nnodes : 1) * sizeof *starts);
+    int rc = -1;
+    if (starts) {
+        int32_t n = 0;
         for (int32_t r = 0; r < sim->size; r++)
-            for (int32_t queue = pass ? 0 : sim->nqueues; queue < (pass ? sim->nqueues : sim->nqueues + 1); queue++) {
-                int32_t start = node_of(sim, r, queue);
-                if (color[start])
-                    continue;
-                size_t depth = 0;
-                stack[depth] = start;
-                cursor[depth++] = first[start];
-                color[start] = 1;
-                while (depth) {
-                    int32_t v = stack[depth - 1];
-                    if (cursor[depth - 1] == first[v + 1]) {
-                        color[v] = 2;
-                        depth--;
-                        continue;
-                    }
-                    const sim_edge *e = &edges.v[cursor[depth - 1]++];
-                    if (color[e->target] == 1) { /* back edge: the cycle is on the stack */
-                        size_t from = 0;
-                        while (stack[from] != e->target)
-                            from++;
-                        size_t n = 0;
-                        for (size_t i = from; i < depth; i++) {
-                            path_nodes[n] = stack[i];
-                            path_ops[n++] = i + 1 < depth ? edges.v[cursor[i] - 1].op : e->op;
-                        }
-                        path_nodes[n] = e->target;
-                        if (record_path(sim, path_nodes, path_ops, n, 1) != 0)
-                            goto oom;
-                        goto done;
-                    }
-                    if (color[e->target] == 0) {
-                        color[e->target] = 1;
-                        stack[depth] = e->target;
-                        cursor[depth++] = first[e->target];
-                    }
-                }
-            }
-    /* No cycle: follow first edges from the first stuck rank until a rank with nothing to wait for. */
-    for (int32_t r = 0; r < sim->size; r++) {
-        if (sim->ranks[r].state == RANK_DONE)
-            continue;
-        int32_t v = node_of(sim, r, sim->nqueues);
-        size_t n = 0;
-        memset(color, 0, (size_t)nnodes);
-        while (first[v] < first[v + 1] && !color[v] && n < (size_t)nnodes) {
-            color[v] = 1;
-            path_nodes[n] = v;
-            path_ops[n++] = edges.v[first[v]].op;
-            v = edges.v[first[v]].target;
-        }
-        path_nodes[n] = v;
-        if (record_path(sim, path_nodes, path_ops, n, 0) != 0)
-            goto oom;
-        break;
+            starts[n++] = node_of(sim, r, sim->nqueues);
+        for (int32_t r = 0; r < sim->size; r++)
+            for (int32_t queue = 0; queue < sim->nqueues; queue++)
+                starts[n++] = node_of(sim, r, queue);
+        rc = mp_waitfor_cycle(&g, starts, (size_t)n, &path);
     }
-    goto done;
-oom:
-    sim->oom = 1;
-done:
-    free(first);
-    free(color);
-    free(stack);
-    free(path_nodes);
-    free(path_ops);
-    free(cursor);
-    free(edges.v);
+    for (int32_t r = 0; rc == 0 && r < sim->size; r++)
+        if (sim->ranks[r].state != RANK_DONE)
+            rc = mp_waitfor_chain(&g, node_of(sim, r, sim->nqueues), &path) == 0 ? 1 : -1;
+    if (rc < 0 || (rc == 1 && record_path(sim, &path) != 0))
+        sim->oom = 1;
+    mp_waitfor_path_free(&path);
+    free(starts);
 }
 
 /* ---- results -------------------------------------------------------------------------------- */

@@ -52,8 +52,7 @@ static void comm_dealloc(CommObject *self)
     Py_XDECREF(self->group_picture);
     PyMem_Free(self->trace);
     PyMem_Free(self->global_ranks);
-    PyMem_Free(self->send_seq);
-    PyMem_Free(self->recv_seq);
+    PyMem_Free(self->numbers);
     PyMem_Free(self->lane_steps);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -107,7 +106,9 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
             return NULL;
         self->abort_report = report;
     }
-    mp_comm_abort(self, peer_failed ? MP_ERR_PEER_DEAD : deadlock ? MP_ERR_DEADLOCK : MP_ERR_ABORTED, cause, reason);
+    /* The ops' own detail only points at the report that follows it, rather than cut it short. */
+    const char *detail = deadlock && reason ? "a wait-for cycle, reported below" : reason;
+    mp_comm_abort(self, peer_failed ? MP_ERR_PEER_DEAD : deadlock ? MP_ERR_DEADLOCK : MP_ERR_ABORTED, cause, detail);
     Py_RETURN_NONE;
 }
 

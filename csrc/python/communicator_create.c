@@ -251,13 +251,12 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
         goto fail;
     }
     size_t nchan = (size_t)lanes * (size_t)self->size;
-    self->send_seq = PyMem_Calloc(nchan, sizeof(uint64_t));
-    self->recv_seq = PyMem_Calloc(nchan, sizeof(uint64_t));
+    self->numbers = PyMem_Calloc(nchan, sizeof *self->numbers);
     self->lane_steps = PyMem_Calloc((size_t)lanes, sizeof(uint64_t));
     self->trace = PyMem_Calloc(1, sizeof(mp_trace));
     self->inflight = PyList_New(0);
     self->backend = PyUnicode_FromString(backend);
-    if (!self->send_seq || !self->recv_seq || !self->lane_steps || !self->trace) {
+    if (!self->numbers || !self->lane_steps || !self->trace) {
         PyErr_NoMemory();
         goto fail;
     }

@@ -133,13 +133,12 @@ static void number_step(CommObject *self, const step_plan *sp, mp_step *step, co
     for (int i = 0; i < sp->nops; i++) {
         const pending_op *p = &sp->ops[i];
         mp_op *op = step->ops[i];
-        size_t ch = (size_t)sp->lane * (size_t)self->size + (size_t)p->peer;
         op->kind = p->kind;
         op->label = p->label;
         op->peer = p->peer;
         op->peer_global = self->global_ranks[p->peer];
         op->lane = sp->lane;
-        op->seq = p->kind == MP_SEND ? self->send_seq[ch]++ : self->recv_seq[ch]++;
+        op->seq = mp_number_message(&self->numbers[mp_channel_of(self->size, sp->lane, p->peer)], p->kind);
         op->step = self->lane_steps[sp->lane];
         op->call = self->calls;
         if (call_name) /* the op starts zeroed: no name, nothing to copy */

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include "bindings.h"
+#include "core/numbering.h"
 #include "core/trace.h"
 #include "core/transport.h"
 
@@ -29,8 +30,7 @@ typedef struct {
     double timeout;
     uint64_t eager_threshold;
     uint64_t buffered_at_most; /* the transport's (transport.h), kept past close */
-    uint64_t *send_seq;      /* [lane][peer]: sends issued so far */
-    uint64_t *recv_seq;      /* [lane][peer] */
+    mp_channel_numbers *numbers; /* [lane][peer] (core/numbering.h): the ops issued so far */
     uint64_t *lane_steps;    /* [lane] */
     PyObject *inflight;      /* list of Requests the transport may still touch */
     PyObject *backend;       /* str */

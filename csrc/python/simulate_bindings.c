@@ -1,8 +1,10 @@
-/* Binding of the offline simulator: _C.simulate(size, lanes, eager_threshold, streams, details=True,
- * serialize_lanes=False, timeline=False). */
+/* Bindings of the offline simulator, _C.simulate(size, lanes, eager_threshold, streams, details=True,
+ * serialize_lanes=False, timeline=False), and of the one deadlock report grammar, _C.cycle_report(ranks),
+ * which the Python tools word their cycles with. */
 #include <string.h>
 
 #include "bindings.h"
+#include "core/cycle_report.h"
 #include "core/simulate.h"
 
 static const char *const verdict_names[] = {"ok", "deadlock", "mismatch"};
@@ -159,7 +161,70 @@ out:
     return result;
 }
 
+#define CYCLE_RANK_FIELDS "(rank, peer, pid, kind, what, nbytes, dtype, lane, message, call, label, partner_posted, " \
+                          "lanes_serialized, partner_count)"
+
+static PyObject *cycle_report(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "cycle_report() takes a sequence of ranks, each " CYCLE_RANK_FIELDS);
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    mp_cycle_rank *ranks = n > 0 && n <= INT_MAX ? PyMem_Calloc((size_t)n, sizeof *ranks) : NULL;
+    PyObject *out = NULL;
+    if (n <= 0 || n > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "cycle_report() needs at least one rank");
+        goto done;
+    }
+    if (!ranks) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        mp_cycle_rank *r = &ranks[i];
+        const char *kind;
+        int posted, serialized;
+        unsigned long long nbytes, message, count;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "cycle_report() rank %zd: expected a tuple " CYCLE_RANK_FIELDS ", got %.100s",
+                         i, Py_TYPE(item)->tp_name);
+            goto done;
+        }
+        if (!PyArg_ParseTuple(item, "iilssKsiKssppK;cycle_report() takes tuples " CYCLE_RANK_FIELDS, &r->rank, &r->peer,
+                              &r->pid, &kind, &r->what, &nbytes, &r->dtype, &r->lane, &message, &r->call, &r->label,
+                              &posted, &serialized, &count))
+            goto done;
+        if (strcmp(kind, "send") != 0 && strcmp(kind, "recv") != 0) {
+            PyErr_Format(PyExc_ValueError, "cycle_report() rank %zd: kind must be 'send' or 'recv', not %R", i,
+                         PyTuple_GET_ITEM(item, 3));
+            goto done;
+        }
+        r->kind = kind[0] == 's' ? MP_SEND : MP_RECV;
+        r->nbytes = nbytes, r->message = message, r->partner_count = count;
+        r->partner_posted = posted, r->lanes_serialized = serialized;
+    }
+    size_t len = mp_cycle_report(ranks, (int)n, NULL, 0) + 1;
+    char *text = PyMem_Malloc(len);
+    if (!text) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    mp_cycle_report(ranks, (int)n, text, len);
+    out = PyUnicode_FromString(text);
+    PyMem_Free(text);
+done:
+    PyMem_Free(ranks);
+    Py_DECREF(seq);
+    return out;
+}
+
 PyMethodDef mp_simulate_methods[] = {
+    {"cycle_report", cycle_report, METH_O,
+     "cycle_report(ranks) -> str\n\n"
+     "The deadlock report of the wait-for cycle ranks[0] -> ranks[1] -> ... -> ranks[0], in the words shm's\n"
+     "run-time detection uses (csrc/core/cycle_report.h). Each rank is a tuple " CYCLE_RANK_FIELDS ";\n"
+     "kind is 'send' or 'recv', pid 0 when not known."},
     {"simulate", (PyCFunction)(void (*)(void))simulate, METH_VARARGS | METH_KEYWORDS,
      "simulate(size, lanes, eager_threshold, streams, details=True, serialize_lanes=False, timeline=False)\n"
      "  -> (verdict, rounds, mismatch, cycle, cycle_closed, pending, num_pending, ops)\n\n"

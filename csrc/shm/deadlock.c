@@ -6,8 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/cycle_report.h"
 #include "core/dtype.h"
 #include "core/op.h"
+#include "core/waitfor.h"
 
 /* Graph nodes: per rank, the head step of each lane, and the rank's wait (which must return
  * before the rank posts anything new). A published run leads to at most two nodes of its peer:
@@ -241,41 +243,20 @@ static void compute_edges(graph *g, int node)
     }
 }
 
-/* The cycle on the DFS stack from `from` to `top`; each node left it by its last edge taken. */
-static shm_cycle *make_cycle(graph *g, const int *stack, const int *next_edge, int from, int top)
+/* The search's view of the graph (core/waitfor.h): an edge's reason is its place in g->edges. */
+static int node_edges(void *ctx, int32_t node, mp_waitfor_sink *sink)
 {
-    int n = top - from + 1;
-    shm_cycle *c = malloc(sizeof *c + sizeof(cycle_edge) * (size_t)n);
-    if (!c)
-        return NULL;
-    c->n = n;
-    for (int i = 0; i < n; i++) {
-        int node = stack[from + i];
-        const edge *e = &g->edges[(size_t)node * MAX_EDGES + (size_t)(next_edge[node] - 1)];
-        cycle_edge *ce = &c->edges[i];
-        ce->rank = node / NODE_KINDS;
-        ce->node_kind = node % NODE_KINDS;
-        ce->epoch = g->views[ce->rank].snap.epoch;
-        ce->op = g->views[ce->rank].snap.ops[e->via];
-        ce->op.seq = e->seq;
-        ce->op.count = 1;
-        ce->next = e->to / NODE_KINDS;
-        ce->partner_issued = e->partner_issued;
-        ce->partner_count = e->partner_count;
+    graph *g = ctx;
+    if (g->nedges[node] < 0)
+        compute_edges(g, node);
+    if (g->corrupt_len && g->corrupt[0])
+        return 1; /* the segment holds garbage: nothing found in it is reported */
+    for (int k = 0; k < g->nedges[node]; k++) {
+        int32_t via = node * MAX_EDGES + k;
+        if (mp_waitfor_add(sink, g->edges[via].to, via) != 0)
+            return 1;
     }
-    /* Start at the lowest rank, so that every rank words one cycle alike. */
-    int first = 0;
-    for (int i = 1; i < n; i++)
-        if (c->edges[i].rank < c->edges[first].rank)
-            first = i;
-    cycle_edge *rotated = malloc(sizeof(cycle_edge) * (size_t)n);
-    if (rotated) {
-        for (int i = 0; i < n; i++)
-            rotated[i] = c->edges[(first + i) % n];
-        memcpy(c->edges, rotated, sizeof(cycle_edge) * (size_t)n);
-        free(rotated);
-    }
-    return c;
+    return 0;
 }
 
 shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold, char *corrupt, size_t corrupt_len)
@@ -287,49 +268,36 @@ shm_cycle *shm_cycle_find(const shm_view *v, int me, uint64_t eager_threshold, c
     g.views = calloc((size_t)v->size, sizeof *g.views);
     g.nedges = malloc(nodes * sizeof(int));
     g.edges = malloc(nodes * MAX_EDGES * sizeof(edge));
-    int *color = calloc(nodes, sizeof(int));
-    int *next_edge = calloc(nodes, sizeof(int));
-    int *stack = malloc(nodes * sizeof(int));
     shm_cycle *found = NULL;
-    if (!g.views || !g.nedges || !g.edges || !color || !next_edge || !stack)
+    mp_waitfor_path path = {0};
+    if (!g.views || !g.nedges || !g.edges)
         goto done;
     for (size_t i = 0; i < nodes; i++)
         g.nedges[i] = -1;
-
-    int top = 0, start = me * NODE_KINDS + NODE_WAIT;
-    stack[0] = start;
-    color[start] = 1;
-    while (top >= 0 && !found && !(corrupt_len && corrupt[0])) {
-        int node = stack[top];
-        if (g.nedges[node] < 0)
-            compute_edges(&g, node);
-        if (next_edge[node] >= g.nedges[node]) {
-            color[node] = 2;
-            top--;
-            continue;
-        }
-        int target = g.edges[(size_t)node * MAX_EDGES + next_edge[node]++].to;
-        if (color[target] == 0) {
-            color[target] = 1;
-            stack[++top] = target;
-        } else if (color[target] == 1) {
-            int from = top;
-            while (stack[from] != target)
-                from--;
-            found = make_cycle(&g, stack, next_edge, from, top);
-        }
+    int32_t start = me * NODE_KINDS + NODE_WAIT;
+    mp_waitfor_graph wf = {(int32_t)nodes, node_edges, &g};
+    if (mp_waitfor_cycle(&wf, &start, 1, &path) != 1 || !(found = malloc(sizeof *found + sizeof(cycle_edge) * path.n)))
+        goto done;
+    found->n = (int)path.n;
+    for (size_t i = 0; i < path.n; i++) {
+        int node = path.nodes[i];
+        const edge *e = &g.edges[path.via[i]];
+        cycle_edge *ce = &found->edges[i];
+        ce->rank = node / NODE_KINDS;
+        ce->node_kind = node % NODE_KINDS;
+        ce->epoch = g.views[ce->rank].snap.epoch;
+        ce->op = g.views[ce->rank].snap.ops[e->via];
+        ce->op.seq = e->seq;
+        ce->op.count = 1;
+        ce->next = e->to / NODE_KINDS;
+        ce->partner_issued = e->partner_issued;
+        ce->partner_count = e->partner_count;
     }
 done:
-    if (found && corrupt_len && corrupt[0]) {
-        free(found); /* built from a segment known to hold garbage */
-        found = NULL;
-    }
+    mp_waitfor_path_free(&path);
     free(g.views);
     free(g.nedges);
     free(g.edges);
-    free(color);
-    free(next_edge);
-    free(stack);
     return found;
 }
 
@@ -349,46 +317,37 @@ int shm_cycle_same(const shm_cycle *a, const shm_cycle *b)
 
 void shm_cycle_free(shm_cycle *c) { free(c); }
 
-static int append(char *buf, size_t len, int n, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-
-static int append(char *buf, size_t len, int n, const char *fmt, ...)
-{
-    if (n < 0 || (size_t)n >= len)
-        return n;
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(buf + n, len - (size_t)n, fmt, ap);
-    va_end(ap);
-    return k < 0 ? n : n + k;
-}
-
 static int global(const shm_view *v, int r) { return shm_rank_at(v, r)->global_rank; }
 
+/* The cycle in the one report grammar (core/cycle_report.h), with global ranks and pids. */
 static void format_report(const shm_view *v, const shm_cycle *c, const pid_t *pids, char *buf, size_t len)
 {
-    int n = append(buf, len, 0, "deadlock: ranks");
-    for (int i = 0; i < c->n; i++)
-        n = append(buf, len, n, " %d ->", global(v, c->edges[i].rank));
-    n = append(buf, len, n, " %d are each blocked in a wait that needs the next one to post an op it has not "
-               "posted; this wait-for cycle can never resolve:", global(v, c->edges[0].rank));
+    mp_cycle_rank *ranks = calloc((size_t)c->n, sizeof *ranks);
+    if (!ranks) {
+        snprintf(buf, len, "deadlock: a wait-for cycle of %d ranks (no memory left to describe it)", c->n);
+        return;
+    }
     for (int i = 0; i < c->n; i++) {
         const cycle_edge *e = &c->edges[i];
         const shm_watch_op *o = &e->op;
-        int send = o->kind == MP_SEND;
-        n = append(buf, len, n, "\n  rank %d (pid %d) is blocked on %s %s rank %d: %llu bytes of %s, lane %d, message #%llu",
-                   global(v, e->rank), (int)pids[e->rank], mp_label_name((mp_label)(o->label % MP_NUM_LABELS)),
-                   send ? "to" : "from", global(v, o->peer), (unsigned long long)o->nbytes,
-                   mp_dtype_name(o->dtype), o->lane, (unsigned long long)o->seq);
-        if (o->call[0])
-            n = append(buf, len, n, ", posted by %s", o->call);
-        if (e->partner_issued)
-            n = append(buf, len, n, "; rank %d has posted the matching %s, but it is queued on lane %d behind rank "
-                       "%d's own blocked op", global(v, e->next), send ? "receive" : "send", o->lane, global(v, e->next));
-        else
-            n = append(buf, len, n, "; rank %d has posted only %llu %s %s rank %d on lane %d and is blocked in a wait",
-                       global(v, e->next), (unsigned long long)e->partner_count, send ? "receive(s)" : "send(s)",
-                       send ? "from" : "to", global(v, e->rank), o->lane);
+        ranks[i] = (mp_cycle_rank){
+            .rank = global(v, e->rank),
+            .peer = global(v, o->peer),
+            .pid = (long)pids[e->rank],
+            .kind = (mp_kind)o->kind,
+            .what = mp_label_name((mp_label)(o->label % MP_NUM_LABELS)),
+            .nbytes = o->nbytes,
+            .dtype = mp_dtype_name(o->dtype),
+            .lane = o->lane,
+            .message = o->seq,
+            .call = o->call,
+            .label = "",
+            .partner_posted = e->partner_issued,
+            .partner_count = e->partner_count,
+        };
     }
+    mp_cycle_report(ranks, c->n, buf, len);
+    free(ranks);
 }
 
 int shm_cycle_fence(const shm_view *v, const shm_cycle *c, const pid_t *pids)

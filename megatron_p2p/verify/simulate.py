@@ -16,6 +16,7 @@ communicators sharing a device (one execution order per device); messages still 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .. import _C
 from .program import KINDS, SLOTS, Op, Program
@@ -46,12 +47,38 @@ class OpRef:
                 f"call {self.call}{name}{label}")
 
 
+class CycleRank(NamedTuple):
+    """One rank of a wait-for cycle as every deadlock report words it (_C.cycle_report,
+    csrc/core/cycle_report.h): the op it is blocked on, which needs `peer`, the cycle's next rank."""
+    rank: int
+    peer: int
+    pid: int  # 0: not known
+    kind: str  # "send" | "recv"
+    what: str  # who posted it: a slot ("send_next"), or "isend" / "irecv"
+    nbytes: int
+    dtype: str
+    lane: int
+    message: int  # its number among its kind's ops on its channel
+    call: str  # the API call that posted it, or ""
+    label: str  # the program's label for it, or ""
+    partner_posted: bool  # the peer posted the partner, queued behind the peer's own blocked op
+    lanes_serialized: bool  # the peer runs its lanes in one queue
+    partner_count: int  # ops of the partner's kind the peer has posted on the channel
+
+
+def cycle_report(ranks: list[CycleRank]) -> str:
+    """The report of the cycle ranks[0] -> ranks[1] -> ... -> ranks[0]: the words shm's run-time
+    detection, the checker, `trace` and NCCL's stall analysis all use."""
+    return _C.cycle_report(ranks)
+
+
 @dataclass(frozen=True)
 class CycleEdge:
     rank: int
     blocked_on: OpRef  # the op of `rank` that needs the next rank
     waits_for: int  # the next rank in the cycle
     peer_posted: str  # what that peer has posted on that channel, in words
+    reported: CycleRank  # the edge as the report words it
 
 
 @dataclass(frozen=True)
@@ -76,6 +103,12 @@ class Verdict:
     timeline: list[TimedOp] = field(default_factory=list)  # every op, when simulate(timeline=True)
 
     @property
+    def report(self) -> str:
+        """A deadlock's wait-for cycle in the words of every deadlock report (cycle_report); "" when
+        there is no cycle."""
+        return cycle_report([e.reported for e in self.cycle]) if self.cycle_closed and self.cycle else ""
+
+    @property
     def ok(self) -> bool:
         return self.verdict == "ok"
 
@@ -98,7 +131,8 @@ class Verdict:
         return f"DEADLOCK: ranks {chain}, which finished without posting the partner ({pending})"
 
     def detail(self) -> str:
-        """Several lines: the summary, then one line per rank of the cycle (or the mismatched pair)."""
+        """Several lines: the summary, then the cycle's report (cycle_report), the chain of waits, or the
+        mismatched pair."""
         lines = [self.summary()]
         if self.verdict == "mismatch":
             assert self.mismatch is not None  # a mismatch verdict holds its pair
@@ -106,8 +140,10 @@ class Verdict:
             lines.append(f"  rank {send.rank}: {send.describe()}")
             lines.append(f"  rank {recv.rank}: {recv.describe()}")
         elif self.verdict == "deadlock":
-            for e in self.cycle:
-                lines.append(f"  rank {e.rank}: {e.blocked_on.describe()}; {e.peer_posted}")
+            if self.report:
+                lines.append(self.report)
+            else:  # a chain of waits that ends at a rank that finished
+                lines.extend(f"  rank {e.rank}: {e.blocked_on.describe()}; {e.peer_posted}" for e in self.cycle)
             lanes = ", lanes serialized in issue order" if self.serialize_lanes else ""
             lines.append(f"  stuck after {self.rounds} rounds with {self.num_pending} op(s) pending{lanes}")
         return "\n".join(lines)
@@ -161,7 +197,11 @@ def simulate(program: Program, *, details: bool = True, serialize_lanes: bool = 
         edges = []
         for t, waits_for in cycle:
             ref = _op_ref(program, t)
-            edges.append(CycleEdge(ref.rank, ref, waits_for, _peer_posted(ref, t[12], t[13], serialize_lanes)))
+            op = ref.op
+            reported = CycleRank(ref.rank, waits_for, 0, op.kind, op.slot or ("isend" if op.kind == "send" else "irecv"),
+                                 op.bytes, op.dtype, op.lane, ref.seq, ref.call_name, op.label,
+                                 t[12] == _PARTNER_QUEUED, serialize_lanes, t[13])
+            edges.append(CycleEdge(ref.rank, ref, waits_for, _peer_posted(ref, t[12], t[13], serialize_lanes), reported))
         if closed and edges:  # start the cycle at its lowest rank
             first = min(range(len(edges)), key=lambda i: edges[i].rank)
             edges = edges[first:] + edges[:first]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..flight_recorder import FORMAT, REASONS
 from . import program as prog
 from . import timeline
-from .simulate import simulate
+from .simulate import CycleRank, cycle_report, simulate
 
 if TYPE_CHECKING:
     from typing import TypeVar
@@ -488,33 +488,20 @@ def _cycle(g: _Group, report: CommunicatorReport, explained: set[TraceOp]) -> No
     if verdict.verdict != "deadlock" or not verdict.cycle or not verdict.cycle_closed:
         return  # stuck on ranks that post nothing more: reported as missing or dead
     ranks = tuple(g.ranks[e.rank] for e in verdict.cycle)
-    lines = [f"ranks {' -> '.join(map(str, ranks + ranks[:1]))} wait on each other; none can go on"]
-    blocked, unposted = [], []
+    blocked, unposted, reported = [], [], []
     for e in verdict.cycle:
         ref = e.blocked_on
         op = where[ref.rank, ref.call, ref.step, ref.index]
         explained.add(op)
         blocked.append(op)
         peer = g.ranks[e.waits_for]
-        lines.append(f"rank {op.rank}: blocked on {op.describe()}; {_peer_state(g, op, peer, e.peer_posted)}")
-        partner = g.sides[op.channel]["recv" if op.kind == "send" else "send"].get(op.seq)
-        if (op.peer != peer or partner is None) and peer not in unposted:
+        partners = g.sides[op.channel]["recv" if op.kind == "send" else "send"]
+        if op.seq not in partners and peer not in unposted:
             unposted.append(peer)
-    report.findings.append(Finding("cycle", ranks, "\n".join(lines), tuple(blocked), tuple(unposted)))
-
-
-def _peer_state(g: _Group, op: TraceOp, peer: int, simulated: str) -> str:
-    """Why `peer` holds `op` up: the partner is not posted, or it is queued behind its lane."""
-    partner_kind = "recv" if op.kind == "send" else "send"
-    if op.peer != peer or peer not in g.dumps:
-        return simulated  # the simulator's words for an edge that is not this op's channel
-    partner = g.sides[op.channel][partner_kind].get(op.seq)
-    if partner is None:
-        return f"rank {peer} has posted {g.posted(op.channel, partner_kind)}"
-    ahead = [o for o in g.dumps[peer].ops if o.lane == partner.lane and o.step < partner.step and o.unfinished]
-    if ahead:
-        return f"rank {peer} has posted the partner but it waits behind its lane {partner.lane}: {ahead[0].describe()}"
-    return f"rank {peer} has posted the partner: {partner.describe()}"
+        reported.append(CycleRank(op.rank, peer, g.dumps[op.rank].pid, op.kind, op.label, op.nbytes, op.dtype, op.lane,
+                                  op.seq, op.call_name, "", e.reported.partner_posted, False,
+                                  max(partners, default=-1) + 1))
+    report.findings.append(Finding("cycle", ranks, cycle_report(reported), tuple(blocked), tuple(unposted)))
 
 
 # ---- missing and dead ranks ----------------------------------------------------------------

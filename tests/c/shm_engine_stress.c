@@ -30,6 +30,7 @@
 
 #include "core/clock.h"
 #include "core/dtype.h"
+#include "core/numbering.h"
 #include "shm/shm_transport.h"
 #include "shm/segment.h"
 
@@ -311,7 +312,7 @@ typedef struct {
     _Atomic int *reported; /* failures this rank has printed */
     int lane;
     int rank;
-    uint64_t send_seq[MAX_RANKS], recv_seq[MAX_RANKS];
+    mp_channel_numbers numbers[MAX_RANKS]; /* per peer, on this lane */
     uint64_t steps;
     posted_step *inflight[MAX_INFLIGHT];
     int head, count;
@@ -379,7 +380,7 @@ static void post_step(lane_ctx *c, const plan_step *plan, int round)
     mp_transport_begin(c->t, NULL);
     for (int i = 0; i < plan->nops; i++) {
         mp_op *op = &p->ops[i];
-        op->seq = op->kind == MP_SEND ? c->send_seq[op->peer]++ : c->recv_seq[op->peer]++;
+        op->seq = mp_number_message(&c->numbers[op->peer], op->kind);
         op->step = c->steps;
     }
     c->steps++;

@@ -101,7 +101,7 @@ def naive_ring(comm: mp.Communicator) -> dict:
     assert isinstance(big_exc, mp.DeadlockError), f"a ring of {4 * bound} B sends: {big_exc!r} after {big_s:.1f} s"
     assert big_s < DEADLOCK_WITHIN_S, f"the deadlock was named after {big_s:.2f} s (limit {DEADLOCK_WITHIN_S} s)"
     message = str(big_exc)
-    for says in ("this wait-for cycle can never resolve", f"blocked on send to rank {comm.next_rank}"):
+    for says in ("this wait-for cycle can never resolve", f"is blocked on isend to rank {comm.next_rank}"):
         assert says in message, f"{says!r} not in: {message}"
     return {"detail": f"{4 * bound} B ring (NCCL buffers at most {bound} B): DeadlockError in {big_s:.2f} s under a "
                       f"{DEADLOCK_TIMEOUT_S:.0f} s timeout; {BUFFERED_BYTES} B ring: completed exact in {small_s:.2f} s",
