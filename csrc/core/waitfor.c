@@ -31,7 +31,7 @@ int mp_waitfor_add(mp_waitfor_sink *s, int32_t to, int32_t via)
 static int sink_open(mp_waitfor_sink *s, const mp_waitfor_graph *g)
 {
     size_t n = g->nnodes > 0 ? (size_t)g->nnodes : 1;
-    *s = (mp_waitfor_sink){.g = g, .first = malloc(n * sizeof *s->first), .count = malloc(n * sizeof *s->count)};
+    *s = (mp_waitfor_sink){.g = g, .first = calloc(n, sizeof *s->first), .count = malloc(n * sizeof *s->count)};
     if (!s->first || !s->count)
         return -1;
     for (size_t v = 0; v < n; v++)
