@@ -97,7 +97,7 @@ class StallWatch:
         if beats < STABLE_BEATS or (beats > ANALYSE_EVERY and beats % ANALYSE_EVERY):
             return None  # nothing to conclude yet; a long stall is analysed once a second
         report, verdict = self._analyse()
-        comm.group_picture = _picture(report, self._ranks)
+        comm.group_picture = None if verdict else _picture(report, self._ranks)  # a cycle's report says it all
         return verdict
 
     def _publish(self, record: dict[str, Any], host_waiting: bool) -> None:

@@ -162,12 +162,11 @@ class Watchdog:
             return  # the store failed: the peers' loss is found by PeerWatch
         if found is None:
             return
-        cycle, text = found
-        report = f"rank {comm.global_rank}: {text}"
+        cycle, report = found
         w.relay.publish(report, deadlock=cycle)
         comm.abort(reason=report, deadlock=True)
         flight_recorder.dump(comm, "watchdog", error=f"DeadlockError: {report}")
-        self._report(report)
+        self._report(f"rank {comm.global_rank}: {report}")
 
     def _lost(self, w: _Watched, comm: _C.Communicator, loss: nccl.Loss) -> None:
         """A peer's process or the store's host is gone: aborts `comm` when an op is pending on

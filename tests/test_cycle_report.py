@@ -69,6 +69,10 @@ def test_every_rank_of_the_cycle_words_it_alike_at_run_time(paths):
     for backend in ("shm", "nccl"):
         reports = {report_in(r[backend]["error"]) for r in paths["ranks"]}
         assert len(reports) == 1, (backend, reports)
+        for r in paths["ranks"]:  # each op's own failure points at the report that follows it
+            first = r[backend]["error"].split("\n")[0]
+            assert first.endswith("failed: this rank is in a wait-for cycle that can never resolve (the deadlock "
+                                  "report follows)"), (backend, first)
 
 
 @pytest.mark.torchrun

@@ -30,6 +30,9 @@ typedef struct {
     uint64_t partner_count;
 } mp_cycle_rank;
 
+/* What an op of a rank in the cycle fails with; the report follows it in the error's message. */
+#define MP_CYCLE_FAILURE "this rank is in a wait-for cycle that can never resolve (the deadlock report follows)"
+
 /* Writes the report of the cycle ranks[0] -> ranks[1] -> ... -> ranks[0] into buf (cut to fit,
  * NUL-terminated), starting at its lowest rank so that every rank words one cycle alike, with
  * a last line of the ranks' processes when every pid is known. Returns the length it needed. */

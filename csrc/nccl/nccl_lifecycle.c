@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "core/clock.h"
+#include "core/cycle_report.h"
 #include "nccl_internal.h"
 #include "nccl_buffering.h"
 #include "nccl_param.h"
@@ -143,7 +144,11 @@ static void nccl_abort(mp_transport *t, mp_result cause, int rank, const char *w
     char detail[MP_DETAIL_LEN], by[32] = "outside the group";
     if (rank != MP_RANK_OUTSIDE)
         snprintf(by, sizeof by, "group rank %d", rank);
-    snprintf(detail, sizeof detail, "%s (%s)%s%s", mp_result_str(cause), by, why && why[0] ? ": " : "", why ? why : "");
+    if (cause == MP_ERR_DEADLOCK) /* the cycle's report follows, as on shm */
+        snprintf(detail, sizeof detail, "%s", MP_CYCLE_FAILURE);
+    else
+        snprintf(detail, sizeof detail, "%s (%s)%s%s", mp_result_str(cause), by, why && why[0] ? ": " : "",
+                 why ? why : "");
     nccl_abort_locked(n, cause, rank, detail);
     pthread_mutex_unlock(&n->lock);
 }

@@ -106,9 +106,7 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
             return NULL;
         self->abort_report = report;
     }
-    /* The ops' own detail only points at the report that follows it, rather than cut it short. */
-    const char *detail = deadlock && reason ? "a wait-for cycle, reported below" : reason;
-    mp_comm_abort(self, peer_failed ? MP_ERR_PEER_DEAD : deadlock ? MP_ERR_DEADLOCK : MP_ERR_ABORTED, cause, detail);
+    mp_comm_abort(self, peer_failed ? MP_ERR_PEER_DEAD : deadlock ? MP_ERR_DEADLOCK : MP_ERR_ABORTED, cause, reason);
     Py_RETURN_NONE;
 }
 

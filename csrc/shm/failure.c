@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "core/clock.h"
+#include "core/cycle_report.h"
 #include "deadlock.h"
 
 #define MAX_THREADS_IN_WAIT (1u << 16) /* a bound on a rank's `driving` and `waiting` counts */
@@ -68,7 +69,7 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
         snprintf(buf, len, "communicator aborted: rank %d closed it with ops pending", rank);
         break;
     case MP_ERR_DEADLOCK:
-        snprintf(buf, len, "this rank is in a wait-for cycle that can never resolve (the deadlock report follows)");
+        snprintf(buf, len, "%s", MP_CYCLE_FAILURE);
         break;
     default: {
         shm_header *h = shm_hdr(&s->v);
