@@ -150,7 +150,8 @@ sanitize: $(DEPS) fakes
 LINT_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -O2 -fanalyzer
 CPPCHECK_FLAGS := --quiet --std=c11 --library=posix --library=gnu --library=python --inline-suppr \
 	--enable=warning,performance,portability --error-exitcode=1 -D_GNU_SOURCE -Icsrc
-# Python: ruff (pyproject.toml's rules) over everything, mypy (strict) over the package, stubtest.
+# Python: ruff (pyproject.toml's rules) over everything, mypy strict over the package (pyproject.toml)
+# and over the tests with every body checked, annotations optional (tests/mypy.ini), stubtest.
 LINT_DEPS := $(VENV)/.lint-installed
 $(LINT_DEPS): $(DEPS)
 	$(PY) -m pip install --quiet ruff==0.17.6 mypy==2.4.1
@@ -159,6 +160,7 @@ $(LINT_DEPS): $(DEPS)
 lint: $(LINT_DEPS) $(TESTING)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy megatron_p2p
+	$(VENV)/bin/mypy --config-file tests/mypy.ini tests
 	# the extension's stubs (_C.pyi, _testing.pyi) against the built modules
 	$(PY) -m mypy.stubtest megatron_p2p._C megatron_p2p._testing
 	command -v cppcheck >/dev/null || (apt-get update && apt-get install -y cppcheck)

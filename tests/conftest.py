@@ -35,7 +35,7 @@ class Job:
         bad = [r for r, res in enumerate(self.ranks) if res is None or not res.get("ok")]
         if bad:
             details = "\n".join(
-                f"--- rank {r}: " + ("no result" if self.ranks[r] is None else self.ranks[r].get("traceback", ""))
+                f"--- rank {r}: " + ("no result" if (res := self.ranks[r]) is None else res.get("traceback", ""))
                 for r in bad
             )
             pytest.fail(f"ranks {bad} failed:\n{details}\n--- job output (tail):\n{self.output[-6000:]}")
@@ -162,7 +162,7 @@ def _launch_words(module: Any) -> tuple[str, ...]:
     return _launching[module.__name__]
 
 
-def _launches(item: pytest.Item) -> bool:
+def _launches(item: pytest.Function) -> bool:
     words = _launch_words(item.module)
     funcs = [item.function] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
     for func in funcs:

@@ -106,6 +106,7 @@ def _lay_out(rng: random.Random, builder: ProgramBuilder, rank: int, items: list
         wait = rng.random() < 0.7
         item = items[i]
         if item.kind == "exchange":
+            assert item.slots is not None  # an exchange's
             calls.append(builder.exchange(rank, mode=item.mode, wait=wait, awaits=awaits, name="exchange",
                                           **item.slots))
             i += 1

@@ -44,4 +44,4 @@ def test_the_testing_module_has_the_hooks():
         _testing.corrupt_segment(comm, 1)
     comm.close()
     with pytest.raises(TypeError, match="comm must be a Communicator, not int"):
-        _testing.corrupt_segment(3, 1)
+        _testing.corrupt_segment(3, 1)  # type: ignore[arg-type]

@@ -124,7 +124,8 @@ def symbols(objects: list[Path]) -> dict[str, tuple[set[str], set[str]]]:
     """Per object (layer/name): the global symbols it defines and those it uses."""
     table = {}
     for obj in objects:
-        defined, used = set(), set()
+        defined: set[str] = set()
+        used: set[str] = set()
         for line in subprocess.run(["nm", "-P", "-g", str(obj)], capture_output=True, text=True, check=True).stdout.splitlines():
             name, kind = line.split()[:2]
             (used if kind in "Uw" else defined).add(name)

@@ -151,7 +151,7 @@ def test_shape_exchange_returns_what_megatron_core_returns(job):
 
 def test_timers_get_megatron_core_names_and_levels(job):
     """Every method starts and stops config.timers(name, log_level=2) with megatron-core's names."""
-    names = set()
+    names: set[str] = set()
     for res in section(job, "methods"):
         for _method, records in res["parity"]["ours"].items():
             for r in records:

@@ -76,7 +76,7 @@ def steps_of(ops: list[dict]) -> list[tuple[int, list[dict]]]:
 
 
 def expected_calls(steps, version):
-    calls = []
+    calls: list[tuple] = []
     for lane, group in steps:
         calls.append(("group_start",))
         for index, o in enumerate(group):

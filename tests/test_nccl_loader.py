@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 from conftest import ROOT
@@ -17,7 +18,7 @@ from nccl_wheel import header_version, wheel_dir
 WHEEL_LIB = str((wheel_dir() / "lib" / "libnccl.so.2").resolve())
 
 
-def load(code: str, env: dict[str, str] | None = None) -> dict:
+def load(code: str, env: dict[str, str] | None = None) -> Any:
     """Runs `code` (which leaves its answer in `out`) with a clean NCCL environment."""
     run_env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_P2P_NCCL_LIBRARY", "LD_LIBRARY_PATH")}
     run_env.update(env or {})

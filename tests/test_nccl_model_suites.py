@@ -57,7 +57,7 @@ MEGATRON_TIMEOUT = 3.0  # ours in megatron-core's schedules: their waits take mi
 NAIVE_RING = {"ranks": [0, 1, 2], "numel": ABOVE_BOUND, "timeout": 30.0}
 NAMED_WITHIN = 3.0  # a stall of MEGATRON_P2P_STALL_SECONDS (1 s), then the analysis (megatron_p2p/stall.py)
 
-PARAMS = {
+PARAMS: dict[str, Any] = {
     "matching": {"suite": WORLD_SUITE, "partitions": [{"groups": g, "suite": PARTITION_SUITE} for g in PARTITIONS]},
     "contiguity": {"timeout": 10.0},
     "pipeline": {"iterations": 10, "small_numel": [16, 1024], "big_numel": 131072, "big_iterations": [7],
@@ -86,9 +86,10 @@ def layout(suites: list[dict], label: str) -> tuple[list[dict], dict, str]:
     """The matching results of one group layout, as the shm tests' helpers read them: per rank a
     dict holding the suite result under the returned key; and the suite that ran."""
     matching = part(suites, "matching")
-    if LAYOUTS[label] is None:
+    layout = LAYOUTS[label]
+    if layout is None:
         return matching, WORLD_SUITE, "world"
-    index = PARTITIONS.index(LAYOUTS[label])
+    index = PARTITIONS.index(layout)
     return [{"layout": v["partitions"][index]} for v in matching], PARTITION_SUITE, "layout"
 
 

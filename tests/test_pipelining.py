@@ -151,6 +151,6 @@ def test_patch_swaps_dist_in_the_pipelining_modules_only_and_back():
 
 def test_patch_pipelining_takes_a_communicator_or_none():
     with pytest.raises(TypeError, match="megatron_p2p Communicator or None"):
-        mp.patch_pipelining("shm")
+        mp.patch_pipelining("shm")  # type: ignore[arg-type]
     mp.patch_pipelining(None)
     mp.unpatch_pipelining()

@@ -13,7 +13,7 @@ from random_programs import random_program
 
 from megatron_p2p import program, simulate
 
-PROGRAMS = Path(__import__("megatron_p2p").__file__).parent / "programs"
+PROGRAMS = Path(__import__("megatron_p2p").__path__[0]) / "programs"
 COUNT = int(os.environ.get("MEGATRON_P2P_VERIFY_REPLAYS", "20"))
 WORLD = 6  # the largest random program
 

@@ -57,9 +57,10 @@ def name_flaws(names: list[str], pid: int) -> list[str]:
     random bits, a repeat, a shared leading part (a clock or a counter), a bit that hardly
     changes. Empty when they look like independent draws of NAME_BITS random bits."""
     shape = re.compile(rf"/mp2p-{pid}-([0-9a-f]+)")
-    parts = [m.group(1) if (m := shape.fullmatch(n)) else None for n in names]
-    if None in parts:
-        return [f"not /mp2p-{pid}-<hex>: {names[parts.index(None)]}"]
+    matched = [m.group(1) if (m := shape.fullmatch(n)) else None for n in names]
+    if None in matched:
+        return [f"not /mp2p-{pid}-<hex>: {names[matched.index(None)]}"]
+    parts = [p for p in matched if p is not None]
     flaws = []
     if min(len(p) for p in parts) * 4 < NAME_BITS:
         flaws.append(f"only {min(len(p) for p in parts) * 4} random bits")

@@ -480,7 +480,7 @@ def test_dump_writes_the_documented_record(tmp_path, monkeypatch):
     monkeypatch.setenv(flight_recorder.ENV, str(tmp_path))
     entries = [op("recv", 2, 0, step=0, call=0, state="posted")]
     path = flight_recorder.dump(FakeComm(entries), "error", "P2PTimeoutError: late")
-    assert path == tmp_path / f"rank3.{COMM}.json"
+    assert path is not None and path == tmp_path / f"rank3.{COMM}.json"
     record = json.loads(path.read_text())
     assert record["ops"] == entries
     assert {k: record[k] for k in ("format", "communicator", "rank", "group_rank", "size", "ranks", "backend",

@@ -137,6 +137,7 @@ class _Model:
         before = self._stream()
         if self._side is None:
             self._side = self._fake.side_stream(cuda)
+        assert self._side.value is not None
         self._fake.use_stream(self._side.value)
         graph = _ModelGraph(cuda, before, self._ctx)
         assert cuda.cuStreamBeginCapture_v2(self._side, 0) == 0
@@ -153,7 +154,8 @@ class _Model:
 class _ModelGraph:
     def __init__(self, cuda: ctypes.CDLL, stream: int, ctx: ctypes.c_void_p) -> None:
         self.cuda, self.stream, self.ctx = cuda, stream, ctx
-        self.raw = self.exe = None
+        self.raw: ctypes.c_void_p | None = None
+        self.exe: ctypes.c_void_p | None = None
 
     def instantiate(self, raw: ctypes.c_void_p) -> None:
         exe = ctypes.c_void_p()

@@ -160,7 +160,7 @@ def verdict(job: Job, part: str) -> dict[str, Any]:
     details = [f"rank {r}: " + (res["detail"] if res else "no result (killed by the part)" if survivor not in (None, r)
                                 else "no result (the rank died or was killed first)")
                for r, res in enumerate(results)]
-    skipped = ok and all(res.get("skipped") for res in judged)  # a part that needs two ranks, on one
+    skipped = ok and all(res is not None and res.get("skipped") for res in judged)  # a part that needs two ranks, on one
     return {"ok": ok, "skipped": skipped, "seconds": seconds, "details": details, "ranks": results}
 
 
@@ -220,8 +220,9 @@ def run_all(out: Path, budget: float, model: bool = False) -> dict[str, Any]:
 
     # Fall back step by step: two ranks, then two ranks without cuMem, then the self-loop.
     start = time.monotonic()
-    paths = [(nproc, {})] + ([(2, {ENV_CUMEM: "0"}), (1, {})] if nproc == 2 else [])
-    failures = []
+    paths: list[tuple[int, dict[str, str | None]]] = [(nproc, {})] + (
+        [(2, {ENV_CUMEM: "0"}), (1, {})] if nproc == 2 else [])
+    failures: list[str] = []
     for nproc, extra in paths:
         if failures and deadline - time.monotonic() < FAULTS_LIMIT_S + END_LIMIT_S + 30:
             break

@@ -70,7 +70,7 @@ def checked_communicator(**kwargs: Any) -> mp.Communicator:
         del os.environ["MEGATRON_P2P_CHECK"]
 
 
-def disagreement(comm: mp.Communicator, ops: dict[str, torch.Tensor], call: str,
+def disagreement(comm: mp.Communicator, ops: mp._C._ExchangeTensors, call: str,
                  sender: bool) -> tuple[BaseException | None, float, str]:
     """Posts an exchange its peer disagrees with and waits: (what this rank raised, seconds from
     the post, where it heard). NCCL may complete a small send before its receive is posted; the
@@ -172,9 +172,9 @@ class OneFOneB:
         return torch.cat([t.view(torch.uint8) for t in acts + grads])
 
     def step(self, mode: str) -> list:
-        reqs = []
+        reqs: list[mp.Request] = []
         for k in range(MICROBATCHES + 1):
-            ops = {}
+            ops: mp._C._ExchangeTensors = {}
             if self.first:
                 if k < MICROBATCHES:
                     ops["send_next"] = self.act_out[k]

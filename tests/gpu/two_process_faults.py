@@ -42,7 +42,6 @@ from two_process_common import (
     communicator,
     disagreement,
     full,
-    mp,
     pattern,
     raised,
     same_bytes,
@@ -50,8 +49,9 @@ from two_process_common import (
     zeros,
 )
 
-from megatron_p2p import program, replay, simulate
+import megatron_p2p as mp
 from megatron_p2p.communicator import _env_rendezvous
+from megatron_p2p.verify import program, replay, simulate  # replay: its _tensor is patched below
 
 # NCCL's own parameters, so that what it may buffer (Communicator.buffered_at_most) is 1 MiB: one
 # channel of NCCL_STEPS (8) steps of 128 KiB (csrc/nccl/nccl_buffering.c). The model buffers sends
@@ -150,7 +150,7 @@ def size_mismatch(comm: mp.Communicator) -> dict:
     """Debug matching: agreeing sizes delivered; rank 0 sending 1000 floats into 999 named on both."""
     with checked_communicator(timeout=20.0) as checked:
         agree = zeros(1000)
-        ops = {"send_next": full(1000, 7.0)} if comm.rank == 0 else {"recv_prev": agree}
+        ops: mp._C._ExchangeTensors = {"send_next": full(1000, 7.0)} if comm.rank == 0 else {"recv_prev": agree}
         settle(checked.exchange(**ops, call="agreeing"))
         assert comm.rank == 0 or same_bytes(agree, full(1000, 7.0)), "agreeing sizes delivered wrong bytes"
         ops = {"send_next": full(1000, 1.0)} if comm.rank == 0 else {"recv_prev": zeros(999)}

@@ -35,7 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 import target  # first: puts tests/workers on sys.path  # isort: skip
-from two_process_common import T, mp  # isort: skip  # T: the target the worker installs; only torch_device is used
+from two_process_common import T  # isort: skip  # T: the target the worker installs; only torch_device is used
+
+import megatron_p2p as mp  # isort: skip
 
 import megatron_dropin  # isort: skip
 import pipelining_runs  # isort: skip
@@ -159,7 +161,8 @@ def _patched(comm: mp.Communicator) -> Iterator[None]:
         if target.on_model():
             from megatron_p2p import pipelining_patch
 
-            own = pipelining_patch._proxy(_PipeliningModelComm(comm, Backend("nccl")))
+            # a stand-in for the real communicator _proxy is typed for (see above)
+            own = pipelining_patch._proxy(_PipeliningModelComm(comm, Backend("nccl")))  # type: ignore[arg-type]
             for name in pipelining_patch.P2P_NAMES:
                 setattr(patch.dist, name, getattr(own, name))
         yield

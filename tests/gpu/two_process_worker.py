@@ -44,7 +44,6 @@ from two_process_common import (
     disagreement,
     empty_like,
     full,
-    mp,
     pattern,
     raised,
     same_bytes,
@@ -53,6 +52,8 @@ from two_process_common import (
     stall_or_skip,
     zeros,
 )
+
+import megatron_p2p as mp
 
 # ---- parts -----------------------------------------------------------------------------------------
 
@@ -143,7 +144,7 @@ def part_debug_matching() -> dict:
     sent = T.own(torch.arange(1000.0, device=T.torch_device).reshape(10, 100))
     into = zeros(100, 10)
     receiver = checked.size == 1 or checked.rank == 1
-    ops = {}
+    ops: mp._C._ExchangeTensors = {}
     if checked.size == 1 or checked.rank == 0:
         ops["send_next"] = sent
     if receiver:

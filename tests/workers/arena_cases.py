@@ -13,6 +13,7 @@ import re
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import harness
 from arena_maps import arena_mappings, in_own_arena
@@ -197,7 +198,8 @@ def delivery(ctx):
 
 def tensors(ctx):
     """What comm.empty returns: ordinary tensors; small ones plain."""
-    torch, out = ctx.torch, {}
+    torch = ctx.torch
+    out: dict[str, Any] = {}
     comm = ctx.init(eager_threshold=64 * KIB)
     for name in ("float32", "bfloat16", "float16", "complex64", "int64", "uint8", "bool"):
         dtype = getattr(torch, name)
@@ -306,7 +308,7 @@ def disabled(ctx):
 def invalid(ctx):
     """Arena sizes refused before anything is created (nothing collective happens)."""
     top = ctx.mp._C.MAX_ARENA_BYTES
-    out = {"arg": {}, "env": {}}
+    out: dict[str, Any] = {"arg": {}, "env": {}}
     for value in (-1, True, 1.5, top + 1, "1048576"):
         out["arg"][repr(value)] = harness.caught(lambda: ctx.init(arena_bytes=value))
     for value in ("lots", "-1", str(top + 1), "1.5", ""):
@@ -325,7 +327,7 @@ def failed_receive(ctx, fail):
     Then, the buffer gone, rank 1 asks for the whole arena again."""
     torch = ctx.torch
     comm = ctx.init(arena_bytes=SMALL_ARENA)
-    out = {}
+    out: dict[str, Any] = {}
     if ctx.me == 0:
         if fail is None:
             ctx.transfer(comm, torch.empty(SMALL_ARENA, dtype=torch.uint8), 41)
@@ -405,7 +407,7 @@ def forged_offer(ctx, forge):
     comm = ctx.init(arena_bytes=FORGED_ARENA)
     segment_pid = ctx.peer_pid if ctx.me == 1 else os.getpid()  # rank 0 created the segment
     payload = (torch.arange(FORGED_NBYTES, dtype=torch.int64) % 251).to(torch.uint8)
-    out = {}
+    out: dict[str, Any] = {}
     if ctx.me == 0:
         ctx.store.wait([f"arena/forged/{forge}"])
         out["send"] = harness.caught(lambda: comm.isend(payload, 1).wait())
@@ -469,6 +471,7 @@ def mixed(ctx):
 def dropin(ctx):
     """megatron_p2p's P2PCommunicator allocates its receive buffers from the arena."""
     import torch.distributed as dist
+    from torch import Tensor
 
     from megatron_p2p.p2p_communication import P2PCommunicator
 
@@ -489,6 +492,7 @@ def dropin(ctx):
         got = p2p.recv_forward(shape, is_first_stage=False)
         p2p.send_backward(ctx.payload(52, 512 * 2 * 512).reshape(shape), is_first_stage=False)
         expected = ctx.payload(51, 512 * 2 * 512).reshape(shape)
+    assert isinstance(got, Tensor)  # one shape: one tensor
     after = comm.stats()["received_by_path"]
     out = {"exact": bool(torch.equal(got.detach(), expected)), "requires_grad": got.requires_grad,
            "in_arena": in_own_arena(got), "arena_delta": after["arena"] - before["arena"],
@@ -506,7 +510,7 @@ def body(params):
     ctx = Ctx(params)
     ctx.torch.ones(8).sum()
     wanted = params.get("sections") or list(SECTIONS)
-    out = {"pid": os.getpid(), "peer_pid": ctx.peer_pid}
+    out: dict[str, Any] = {"pid": os.getpid(), "peer_pid": ctx.peer_pid}
     for name in wanted:
         start = time.monotonic()
         out[name] = SECTIONS[name](ctx)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import harness
 from arena_maps import in_own_arena
@@ -48,7 +49,7 @@ def run_python(uid, source, *args):
 
 
 def observed(mp, torch, store, me, params):
-    out = {}
+    out: dict[str, Any] = {}
     if me == 0:
         name = mp._C.new_unique_id()
         store.set("arena-security/observed", json.dumps({"pid": os.getpid(), "name": name}))
@@ -91,7 +92,7 @@ def planted(mp, store, me, params):
     arena.unlink()
     run_python(params["other_uid"], PLANT, str(arena), str(params["arena_bytes"]))
     st = arena.stat()
-    out = {"planted": arena.name, "planted_owner": st.st_uid}
+    out: dict[str, Any] = {"planted": arena.name, "planted_owner": st.st_uid}
     out["create"] = harness.caught(lambda: mp._C.Communicator(
         "shm", rank0["name"], 1, [0, 1], timeout=params["timeout"], arena_bytes=params["arena_bytes"]).close())
     out["left"] = shm_names(rank0["pid"], arenas=True)

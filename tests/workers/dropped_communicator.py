@@ -46,8 +46,10 @@ def body(params):
     if held is not None:
         held.synchronize()
         out["exact"] = torch.equal(got, sent)
-        out["closed"] = ref().closed
-        ref().close()
+        kept = ref()
+        assert kept is not None  # `held` keeps it
+        out["closed"] = kept.closed
+        kept.close()
     return out
 
 

@@ -16,6 +16,7 @@ import glob
 import os
 import time
 import traceback
+from typing import Any
 
 import harness
 from harness import caught
@@ -191,7 +192,7 @@ def clean_exit(torch, mp, comm):
     start = time.monotonic()
     while time.monotonic() - start < 30 and _alive(int(pid)):
         time.sleep(0.02)
-    out = {"peer_gone": not _alive(int(pid))}
+    out: dict[str, Any] = {"peer_gone": not _alive(int(pid))}
     time.sleep(0.5)  # many liveness periods
     mine = torch.arange(10.0)
     got = torch.zeros(10)
@@ -221,7 +222,7 @@ def body(params):
 
     import megatron_p2p as mp
 
-    results = {"pid": os.getpid()}
+    results: dict[str, Any] = {"pid": os.getpid()}
     for name in params.get("sections", SECTIONS):
         secs = params.get("timeout", 3.0) if name == "timeout" else 20.0
         try:

@@ -11,6 +11,7 @@ can report what they saw (torchrun waits for them before it kills them)."""
 import os
 import signal
 import time
+from typing import Any
 
 import harness
 
@@ -23,7 +24,7 @@ def body(params):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     comm = mp.init_communicator(timeout=params["timeout"])
     me, victim = comm.global_rank, params["victim"]
-    out = {"pid": os.getpid(), "completed": 0}
+    out: dict[str, Any] = {"pid": os.getpid(), "completed": 0}
     if params["how"] == "sigkill" and me == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     if params["how"] == "sigkill_mid_copy":

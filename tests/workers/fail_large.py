@@ -33,7 +33,7 @@ def body(params):
     out = {
         "nbytes": buf.nbytes,
         "contiguous": buf.is_contiguous(),
-        "sha256": hashlib.sha256(memoryview(buf.numpy())).hexdigest(),
+        "sha256": hashlib.sha256(buf.numpy().data).hexdigest(),
         "first": int(buf[0]),
         "last": int(buf[-1]),
         "sample": buf[:: 64 << 20].tolist(),

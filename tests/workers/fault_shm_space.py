@@ -15,6 +15,7 @@ jobs: a rank that dies of SIGBUS takes its whole report with it.
 params: row, timeout (the communicator timeout)."""
 import os
 import re
+from typing import Any
 
 import harness
 
@@ -56,7 +57,7 @@ def barrier(store, me, name):
 
 def attempt(torch, mp, timeout):
     made = []
-    out = {"create": harness.caught(lambda: made.append(mp.init_communicator(timeout=timeout)))}
+    out: dict[str, Any] = {"create": harness.caught(lambda: made.append(mp.init_communicator(timeout=timeout)))}
     for comm in made:
         bufs = {k: torch.full((NBYTES,), comm.rank + 1, dtype=torch.uint8) if k.startswith("send")
                 else torch.zeros(NBYTES, dtype=torch.uint8) for k in ("send_next", "recv_prev", "send_prev", "recv_next")}

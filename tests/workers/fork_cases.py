@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Any
 
 import harness
 from harness import caught
@@ -316,7 +317,7 @@ class _Items:
 
 def dataloader_children(torch):
     errfile, saved = _redirected_stderr()
-    out = {"error": None}
+    out: dict[str, Any] = {"error": None}
     workers = []
     start = time.monotonic()
     try:
@@ -358,7 +359,7 @@ def parent_calls(torch, comm, case):
     want = lambda what: value(case, 9, peer, what)  # noqa: E731
     calls, exact = {}, {}
     bufs = [torch.zeros(N, dtype=torch.float64) for _ in range(6)]
-    reqs = {}
+    reqs: dict[str, Any] = {}
     calls["exchange"] = caught(lambda: reqs.update(x=comm.exchange(
         send_next=mine("next"), recv_prev=bufs[0], send_prev=mine("prev"), recv_next=bufs[1])))
     calls["wait"] = caught(lambda: wait_all(reqs["x"]))
@@ -392,7 +393,7 @@ def parent_calls(torch, comm, case):
 
 def section(name, case, torch, mp, store_barriers, pids, params):
     me = int(os.environ["RANK"])
-    out = {}
+    out: dict[str, Any] = {}
     comm = None
     try:
         comm = mp.init_communicator(timeout=params.get("timeout", 5.0))

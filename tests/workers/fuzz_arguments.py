@@ -12,6 +12,7 @@ Returns (rank 0) {"cases": n, "outcomes": {"<api>: <accepted|rejected>": count}}
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import types
@@ -32,7 +33,8 @@ from megatron_p2p import _C
 PEER, SELF, PEER_IN_GROUP = "<peer>", "<self>", "<peer in group>"
 WORLD, MY_GROUP = "<world group>", "<my one-rank group>"
 CARRIED = [getattr(torch, n) for n in _C.DTYPE_NAMES if hasattr(torch, n)]
-OTHER_DTYPES = [torch.complex32, torch.bits8, torch.uint4, torch.int2, torch.float4_e2m1fn_x2]
+OTHER_DTYPES = [torch.complex32, torch.bits8, *(getattr(torch, n) for n in ("uint4", "int2")),  # not in torch's stubs
+                torch.float4_e2m1fn_x2]
 QUANTIZED = [torch.qint8, torch.quint8, torch.qint32]
 REJECTED = (TypeError, ValueError)
 # megatron-core's own errors for a receive without a dtype or a shape, kept by P2PCommunicator.
@@ -279,7 +281,7 @@ def run_exchange(case: dict, rank: int, comm: Any, case_id: int, out: Posted) ->
         args[send] = as_arg(spec, rank, fill_seed(case_id, rank, direction))
         args[recv] = as_arg(spec, rank, None)
         if isinstance(spec, Recipe):
-            out.add_recv(recv, args[recv], lambda spec=spec, d=direction: build(spec, fill_seed(case_id, source, d)))
+            out.add_recv(recv, args[recv], functools.partial(build, spec, fill_seed(case_id, source, direction)))
     kw: dict[str, Any] = {"mode": resolve(case["mode"], rank), "call": resolve(case["call"], rank)}
     if neighbours is not None:
         kw["prev_rank"] = kw["next_rank"] = resolve(neighbours, rank)
@@ -302,7 +304,7 @@ def run_p2p(case: dict, rank: int, comm: Any, case_id: int, out: Posted) -> None
 
 
 def run_batch(case: dict, rank: int, comm: Any, case_id: int, out: Posted) -> None:
-    entries = []
+    entries: list[tuple[Any, Any, Any]] = []  # (is_send or "junk", tensor, peer)
     for i, (direction, spec, peer) in enumerate(case["ops"]):
         if direction == "junk":
             entries.append(("junk", resolve(spec, rank), resolve(peer, rank)))
@@ -316,8 +318,8 @@ def run_batch(case: dict, rank: int, comm: Any, case_id: int, out: Posted) -> No
             entries.append((is_send, tensor, target))
             if not is_send and isinstance(spec, Recipe):
                 sender = ends[0]
-                out.add_recv(f"ops[{i}] ({where})", tensor, lambda spec=spec, s=sender, i=i: build(
-                    spec, fill_seed(case_id, s, f"b{i}")))
+                out.add_recv(f"ops[{i}] ({where})", tensor, functools.partial(
+                    build, spec, fill_seed(case_id, sender, f"b{i}")))
     if case["api"] == "comm_batch":
         ops = [e if e[0] != "junk" else e[1] for e in entries]
         out.requests = comm.batch(ops, lane=resolve(case["lane"], rank))

@@ -48,7 +48,7 @@ def interrupted(call) -> dict:
 def two_ranks_in_threads():
     """Both ranks of one shm communicator, in this process: rank 1 is created on a thread."""
     name = _C.new_unique_id()
-    made = {}
+    made: dict[int, _C.Communicator] = {}
     peer = threading.Thread(target=lambda: made.setdefault(1, _C.Communicator("shm", name, 1, [0, 1], timeout=30.0)))
     peer.start()
     rank0 = _C.Communicator("shm", name, 0, [0, 1], timeout=30.0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Any
 
 import harness
 from nccl_model_backend import Backend
@@ -45,8 +46,10 @@ class Checker:
         self.recv_bufs = {}
         self.failures = []  # {"config", "group", "text"}, the first MAX_FAILURES
         self.nfailures = defaultdict(int)  # "config group" -> failures
-        self.checks = defaultdict(lambda: defaultdict(int))  # config -> group -> checks
-        self.origins = defaultdict(lambda: defaultdict(set))  # config -> slot -> {"<rank>:<dir>"}
+        # config -> group -> checks
+        self.checks: defaultdict[Any, defaultdict[Any, int]] = defaultdict(lambda: defaultdict(int))
+        # config -> slot -> {"<rank>:<dir>"}
+        self.origins: defaultdict[Any, defaultdict[Any, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.dtypes = defaultdict(set)  # slot -> dtype names verified with at least one byte
         self.sizes = set()  # byte counts verified
 
@@ -349,7 +352,7 @@ def run_suite(torch, mp, group, suite, expect_single_copy, backend):
     shape_of = lambda name, nbytes: (dt(name), nbytes // dt(name).itemsize)  # noqa: E731
     dtypes = suite.get("dtypes", [])
     steps = suite["steps"]
-    out = {"neighbours": {}, "single_copy": {}, "errors": {}}
+    out: dict[str, Any] = {"neighbours": {}, "single_copy": {}, "errors": {}}
 
     def section(config, lanes, fn):
         comm = None

@@ -27,6 +27,7 @@ import datetime
 import logging
 import time
 import traceback
+from typing import Any
 
 import harness
 from nccl_model_backend import Backend
@@ -145,7 +146,7 @@ def method_script(torch, p2p, rank, size, variable, overlap_ok):
     Returns {method: [records]} where a record describes what one call returned."""
     first, last = rank == 0, rank == size - 1
     timers = p2p.config.timers
-    out = {}
+    out: dict[str, list] = {}
     call = [0]
 
     def shape(i):  # varies per call when sequence lengths vary
@@ -566,10 +567,14 @@ def section_legacy(ctx):
             got = p2p_mod.recv_backward(S, cfg, rank == 3)  # 0.13 form
             p2p_mod.send_backward(payload(torch, S, rank, 8, 2), cfg, rank == 0)
             out["0.13 recv_backward"] = None if got is None else torch.equal(got.detach(), payload(torch, S, rank + 1, 8, 2))
-            got, handles = p2p_mod.send_forward_recv_forward(payload(torch, S, rank, 8, 3), True, S, cfg,
-                                                             overlap_p2p_comm=True)
+            overlapped = p2p_mod.send_forward_recv_forward(payload(torch, S, rank, 8, 3), True, S, cfg,
+                                                           overlap_p2p_comm=True)
+            assert isinstance(overlapped, tuple)  # overlap_p2p_comm=True: (tensor, handles)
+            got, handles = overlapped
+            assert isinstance(handles, dict)  # the exchange's requests, by op name
             out["overlap keys"] = sorted(handles)
             wait_handles(handles)
+            assert got is not None  # recv_prev=True
             out["overlap right"] = torch.equal(got.detach(), payload(torch, S, (rank - 1) % 4, 8, 3))
             out["timers"] = cfg.timers.log
     finally:
@@ -583,7 +588,9 @@ def section_legacy(ctx):
 
 def make_stage(torch, cfg, hidden, seed, first, last, device="cpu"):
     """One pipeline chunk, initialised on the CPU (the same values on any device), then moved to `device`."""
-    class Stage(torch.nn.Module):
+    from torch import nn  # the `torch` passed in: already imported
+
+    class Stage(nn.Module):
         def __init__(self):
             super().__init__()
             gen = torch.Generator().manual_seed(seed)
@@ -769,7 +776,11 @@ def naive_order_run(ctx):
     communicator of its own, since a deadlock leaves it unusable for the ranks involved."""
     mp, torch = ctx["mp"], ctx["torch"]
 
-    class NaiveOrder(mp.P2PCommunicator):
+    from megatron_p2p import Communicator, P2PCommunicator  # ctx["mp"]'s
+
+    class NaiveOrder(P2PCommunicator):
+        comm: Communicator  # the one it is given below (init_communicator's), not a stand-in
+
         def _exchange(self, **ops):
             ops.pop("call", None)
             reqs = {}
@@ -796,7 +807,7 @@ def naive_order_run(ctx):
         return model(x), loss_func
 
     start = time.monotonic()
-    out = {"type": None}
+    out: dict[str, Any] = {"type": None}
     with mp.init_communicator(ctx["world_group"], timeout=NAIVE_TIMEOUT) as comm:
         try:
             with ctx["cuda_to_cpu"]():
@@ -837,7 +848,7 @@ def patched_run(ctx):
     return out
 
 
-_PREPARED = {}
+_PREPARED: dict[str, Any] = {}
 
 
 def prepare():

@@ -13,6 +13,7 @@ import gc
 import os
 import time
 import weakref
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -27,7 +28,7 @@ def run_case(mp, torch, on, nccl, rank, case, delay_s):
     else:
         os.environ.pop("MPFAKE_NCCL_DELAY_MS", None)
     comm = mp.init_communicator(backend="nccl", timeout=30.0, lanes=1)
-    out = {}
+    out: dict[str, Any] = {}
     if rank == 1:
         if late:
             out["send"] = harness.caught(lambda: comm.isend(on(torch.full((NUMEL,), 1.0)), 0).synchronize())

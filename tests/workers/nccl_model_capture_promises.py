@@ -57,7 +57,7 @@ def event() -> p:
     return e
 
 
-def kernel(s: p, body: Callable[[], None]) -> int:
+def kernel(s: p | None, body: Callable[[], None]) -> int:
     k = KERNEL(lambda _: body())
     kernels.append(k)
     return cuda.mpfake_stream_enqueue(ctx, s, k, None)
@@ -152,7 +152,11 @@ def fork_join(join_back: bool) -> dict:
     assert cuda.cuEventRecord(e1, origin) == 0
     assert cuda.cuStreamWaitEvent(side, e1, 0) == 0
     side_joined = status(side)
-    kernel(side, lambda: (time.sleep(0.02), order.append("B")))
+    def slow_b() -> None:
+        time.sleep(0.02)
+        order.append("B")
+
+    kernel(side, slow_b)
     assert cuda.cuEventRecord(e2, side) == 0
     if join_back:
         assert cuda.cuStreamWaitEvent(origin, e2, 0) == 0
@@ -268,7 +272,7 @@ nccl.ncclGetLastError.restype = ctypes.c_char_p
 UINT8 = 1
 
 
-def communicator(nranks: int = 1, rank: int = 0, uid: UniqueId = None, blocking: bool = True) -> p:
+def communicator(nranks: int = 1, rank: int = 0, uid: UniqueId | None = None, blocking: bool = True) -> p:
     if uid is None:
         uid = UniqueId()
         assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
@@ -382,11 +386,12 @@ def peer_replays(rank: int, idfile: str, replays: int) -> dict:
     else:
         while not os.path.exists(idfile):
             time.sleep(0.01)
-        with open(idfile, "rb") as f:
-            uid.internal = f.read()
+        with open(idfile, "rb") as idf:
+            uid.internal = idf.read()
     comm, s = communicator(2, rank, uid), stream()
     src, dst = (ctypes.c_uint8 * 4096)(), (ctypes.c_uint8 * 4096)()
-    filled, received = [], []
+    filled: list[int] = []
+    received: list[list[int]] = []
 
     def fill() -> None:
         ctypes.memset(src, (rank * 100 + len(filled)) % 256, len(src))

@@ -5,6 +5,7 @@ import ctypes
 import os
 import threading
 import time
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -45,7 +46,7 @@ def body(params):
         the instantiated graph."""
         assert cuda.cuStreamBeginCapture_v2(stream, 0) == 0
         reqs = exchange()
-        out = {"wait_inside": [harness.caught(q.wait) for q in reqs] if wait_inside else []}
+        out: dict[str, Any] = {"wait_inside": [harness.caught(q.wait) for q in reqs] if wait_inside else []}
         graph, exe = p(), p()
         out["end_capture"] = cuda.cuStreamEndCapture(stream, ctypes.byref(graph))
         if out["end_capture"] == 0:
@@ -94,6 +95,7 @@ def body(params):
         out["wait_in_other_capture"] = harness.caught(reqs[0].wait)
         g2 = p()
         out["other_end_capture"] = cuda.cuStreamEndCapture(other, ctypes.byref(g2))
+        assert stream.value is not None
         nccl_model_cuda.use_stream(stream.value)
         out["replays_exact"] = replay(exe, 2)
         out["eager_after"] = harness.caught(lambda: [q.synchronize() for q in exchange()])
@@ -103,7 +105,7 @@ def body(params):
         out["replays_exact"] = replay(exe, 1)
         if case == "abort_after_graph_destroyed":
             assert cuda.cuGraphExecDestroy(exe) == 0 and cuda.cuGraphDestroy(graph) == 0
-        timed = {}
+        timed: dict[str, Any] = {}
         worker = threading.Thread(target=lambda: timed.update(abort=harness.caught(comm.abort),
                                                               close=harness.caught(comm.close)))
         worker.start()

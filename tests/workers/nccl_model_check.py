@@ -8,6 +8,7 @@ exchange-and-synchronize raised and whether the bytes arrived. Cases (params["ca
 Rank 0 idles briefly before closing, so that a relayed abort reaches it."""
 import math
 import time
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -34,7 +35,7 @@ def body(params):
         comm = mp.init_communicator(backend="nccl", timeout=params.get("timeout", 10.0))
         sent = tensor(SENT[case])
         buf = sent if comm.rank == 0 else torch.zeros_like(tensor(RECEIVED[case]))
-        op = {"send_next": on(buf)} if comm.rank == 0 else {"recv_prev": on(buf)}
+        op: dict[str, Any] = {"send_next": on(buf)} if comm.rank == 0 else {"recv_prev": on(buf)}
         out[case] = harness.caught(lambda: [r.synchronize() for r in comm.exchange(**op, call="check_case").values()])
         out[case]["arrived"] = comm.rank == 1 and buf.numpy().tobytes() == sent.numpy().tobytes()
         if comm.rank == 0:

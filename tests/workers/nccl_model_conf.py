@@ -5,6 +5,7 @@ copy the conf files there; os.environ is Python's copy from the start), and, whe
 succeeded, digests of what one exchange sent and received."""
 import ctypes
 import hashlib
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -28,7 +29,7 @@ def body(params):
     import megatron_p2p as mp
 
     made = []
-    out = {"create": harness.caught(lambda: made.append(
+    out: dict[str, Any] = {"create": harness.caught(lambda: made.append(
         mp.init_communicator(backend="nccl", lanes=1, timeout=params.get("timeout", 10.0))))}
     out["environ"] = c_getenv("NCCL_COMM_BLOCKING")
     if made:

@@ -24,19 +24,20 @@ class FakeCudaTensor(torch.Tensor):
     """A CPU tensor that reports is_cuda and device 0, so the NCCL backend accepts it; its
     data_ptr() is host memory, which the fake driver treats as device memory."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's idiom for a subclass that dispatches as a plain tensor: a function where the base has a classmethod.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
-    def get_device(self) -> int:  # type: ignore[override]
+    def get_device(self) -> int:
         return 0
 
 
 def on_device(t: torch.Tensor) -> FakeCudaTensor:
     """`t`'s memory as a tensor the NCCL backend takes for one on cuda:0."""
-    return t.contiguous().as_subclass(FakeCudaTensor)  # type: ignore[return-value]
+    return t.contiguous().as_subclass(FakeCudaTensor)
 
 
 class _Stream:
@@ -59,9 +60,9 @@ def install() -> None:
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     torch.cuda.current_device = lambda: 0
-    torch.cuda.device = _device  # type: ignore[assignment]
+    torch.cuda.device = _device  # type: ignore[assignment, misc]
     torch.cuda.set_device = lambda device: None  # the one device is always current
-    torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment, return-value]
     torch.cuda.synchronize = lambda device=None: None
 
 
@@ -91,5 +92,6 @@ def side_stream(cuda: ctypes.CDLL) -> ctypes.c_void_p:
     """A new non-blocking stream, as torch's side streams are, made torch's current stream."""
     stream = _p()
     assert cuda.cuStreamCreateWithPriority(ctypes.byref(stream), 1, 0) == 0
+    assert stream.value is not None  # a new stream is never the default one (NULL)
     use_stream(stream.value)
     return stream

@@ -8,6 +8,7 @@ With params["stale"], an earlier call that has nothing to do with the communicat
 ProcessGroupNCCL say, might make), leaving NCCL's process-wide last error set. Reports what the
 calls raised (harness.caught) and the last error the stale call left."""
 import ctypes
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -19,7 +20,7 @@ def body(params):
 
     import megatron_p2p as mp
 
-    out = {"stale": None}
+    out: dict[str, Any] = {"stale": None}
     mp.nccl_version()  # loads libnccl; the handle below is the same copy
     if params.get("stale"):
         nccl = ctypes.CDLL(nccl_model_cuda.ENV["MEGATRON_P2P_NCCL_LIBRARY"])

@@ -1,6 +1,7 @@
 """Exchanges on the NCCL backend over the fake libcuda/libnccl: in each mode, every rank sends
 random bytes to both ring neighbours and reports digests of what it sent and what arrived."""
 import hashlib
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -18,7 +19,7 @@ def body(params):
 
     on = nccl_model_cuda.on_device
     numel = params.get("numel", 1000)
-    out = {"runs": []}
+    out: dict[str, Any] = {"runs": []}
     with mp.init_communicator(backend="nccl", timeout=params.get("timeout", 20.0), lanes=params.get("lanes", 2)) as comm:
         for mode in params.get("modes", ["parity", "batched"]):
             for round_ in range(params.get("rounds", 3)):

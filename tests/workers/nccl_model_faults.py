@@ -10,6 +10,7 @@
 Each rank reports what its calls raised (harness.caught) and how long they took."""
 import os
 import time
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -23,7 +24,7 @@ def body(params):
 
     on = nccl_model_cuda.on_device
     case = params["case"]
-    out = {}
+    out: dict[str, Any] = {}
     timeout = params["timeouts"][int(os.environ["RANK"])] if "timeouts" in params else params.get("timeout", 20.0)
     comm = mp.init_communicator(backend="nccl", timeout=timeout)
     if case == "mismatch":

@@ -11,6 +11,7 @@
 import ctypes
 import threading
 import time
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -30,7 +31,7 @@ def body(params):
 
     on = nccl_model_cuda.on_device
     case = params["case"]
-    out = {}
+    out: dict[str, Any] = {}
     cuda = ctypes.CDLL(nccl_model_cuda.ENV["MEGATRON_P2P_CUDA_LIBRARY"])
     if case in ("context", "refused") and params.get("torch_context"):
         # torch's runtime makes the device's primary context current on a thread that uses it.
@@ -43,7 +44,9 @@ def body(params):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored when the suite runs in the background
         mp.nccl_version()  # loads libnccl, as init_communicator does
         ids = b"".join(mp._C.nccl_unique_id() for _ in range(2))
-        threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
+        main = threading.main_thread().ident
+        assert main is not None  # a started thread's
+        threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
         start = time.monotonic()
         try:
             mp._C.Communicator("nccl", ids, 0, [0, 1], device=0, stream=mp.nccl.stream_handle(0), timeout=20.0)
@@ -85,7 +88,9 @@ def body(params):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored when the suite runs in the background
         reqs = comm.exchange(send_next=on(t), recv_prev=on(got))
         req = reqs["recv_prev"]
-        threading.Timer(0.3, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
+        main_ident = threading.main_thread().ident
+        assert main_ident is not None  # a started thread's
+        threading.Timer(0.3, lambda: signal.pthread_kill(main_ident, signal.SIGINT)).start()
         start = time.monotonic()
         try:
             req.synchronize()

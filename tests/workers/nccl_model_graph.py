@@ -7,6 +7,7 @@ makes of a capture (params["check"]). Then params["captures"] more captures of t
 launched once and destroyed, with the run's values and the driver's live events after each."""
 import ctypes
 import os
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -61,7 +62,7 @@ def body(params):
             req.synchronize()
         eager.append(arrived())
 
-    out = {}
+    out: dict[str, Any] = {}
     if params.get("check"):
         os.environ["MEGATRON_P2P_CHECK"] = "1"
         checked = mp.init_communicator(backend="nccl", timeout=20.0)

@@ -7,12 +7,13 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 fakes = sys.argv[1]
 os.environ["MPFAKE_CUDA_DEVICES"] = "2"  # two devices, each with its own launch order (read by cuInit)
 cuda = ctypes.CDLL(f"{fakes}/libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
 nccl = ctypes.CDLL(f"{fakes}/libnccl.so.2")
-out = {}
+out: dict[str, Any] = {}
 p = ctypes.c_void_p
 KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 cuda.mpfake_stream_enqueue.argtypes = [p, p, KERNEL, p]
@@ -31,11 +32,18 @@ out["stream_with_context"] = cuda.cuStreamCreateWithPriority(ctypes.byref(a), 1,
 assert cuda.cuStreamCreateWithPriority(ctypes.byref(b), 1, 0) == 0
 assert cuda.cuEventCreate(ctypes.byref(ev), 2) == 0
 
-order = []
+order: list[str] = []
 gate = threading.Event()
-slow = KERNEL(lambda _: (gate.wait(5), order.append("a")))
+
+
+def slow_kernel(_: int | None) -> None:
+    gate.wait(5)
+    order.append("a")
+
+
+slow_k = KERNEL(slow_kernel)
 quick = KERNEL(lambda _: order.append("b"))
-assert cuda.mpfake_stream_enqueue(ctx, a, slow, None) == 0
+assert cuda.mpfake_stream_enqueue(ctx, a, slow_k, None) == 0
 assert cuda.cuEventRecord(ev, a) == 0
 assert cuda.cuStreamWaitEvent(b, ev, 0) == 0
 assert cuda.mpfake_stream_enqueue(ctx, b, quick, None) == 0
@@ -169,7 +177,7 @@ class SplitConfig(ctypes.Structure):
 UNDEF = -2147483648
 
 
-def new_comm(nranks: int = 1, rank: int = 0, the_uid: UniqueId = None, blocking: bool = True,
+def new_comm(nranks: int = 1, rank: int = 0, the_uid: UniqueId | None = None, blocking: bool = True,
              split_share: int | None = None) -> p:
     """A communicator; with `split_share`, made with a config through splitShare (2.18)."""
     if the_uid is None:
@@ -205,7 +213,7 @@ def group(ops: list) -> int:
 
 
 def abort_on_a_thread(c: p) -> dict:
-    box = {}
+    box: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: box.update(r=nccl.ncclCommAbort(c), at=time.monotonic()))
     thread.start()
     return {"thread": thread, "box": box}
@@ -461,7 +469,7 @@ def connecting_pair(parent_share: int, child_share: int) -> dict:
     result = {"split_answer": answers[0][0], "parent_during_split": answers[0][1],
               "child_delivered": all(c.value for c in children)}
     # Rank 0 launches a send to rank 1, which has not reached the connection: the launch waits.
-    box = {}
+    box: dict[str, float] = {}
     buf = (ctypes.c_uint8 * 8)(*range(8))
     before_threads = nccl.mpfake_nccl_group_threads()
 

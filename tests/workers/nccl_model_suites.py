@@ -12,6 +12,7 @@ Each part is recorded as {"ok": True, "value", "seconds"} or the error it raised
 does not hide the others. params: one entry per part to run, holding that part's params."""
 import datetime
 import time
+from typing import Any
 
 import harness
 import matching_exchange
@@ -30,7 +31,7 @@ def contiguity(params, backend):
     import megatron_p2p as mp
 
     on = backend.tensor
-    out = {}
+    out: dict[str, Any] = {}
     with mp.init_communicator(backend=backend.name, timeout=params["timeout"]) as comm:
         sent = torch.arange(300, dtype=torch.float64) + 1000 * comm.rank
         strided = torch.zeros(300, 2, dtype=torch.float64)[:, 0]

@@ -10,11 +10,12 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import harness
 import nccl_model_cuda
 
-KEPT = {}  # the communicator stays referenced: the atexit hook, not garbage collection, closes it
+KEPT: dict[str, Any] = {}  # the communicator stays referenced: the atexit hook, not garbage collection, closes it
 
 
 def record_exit() -> None:

@@ -4,6 +4,7 @@ without a host sync, as a training loop between syncs does. Then it makes one mo
 params["timeout"] is one timeout, or a list with one per rank."""
 import os
 import time
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -22,7 +23,8 @@ def body(params):
     comm = mp.init_communicator(backend="nccl", timeout=timeout)
     t = torch.full((64,), float(comm.rank + 1))
     got = torch.zeros(64)
-    out = {"wait": harness.caught(lambda: [r.wait() for r in comm.exchange(send_next=on(t), recv_prev=on(got)).values()])}
+    out: dict[str, Any] = {
+        "wait": harness.caught(lambda: [r.wait() for r in comm.exchange(send_next=on(t), recv_prev=on(got)).values()])}
     time.sleep(params["idle"])
     out["next_call"] = harness.caught(lambda: [r.synchronize() for r in
                                                comm.exchange(send_next=on(t), recv_prev=on(got)).values()])

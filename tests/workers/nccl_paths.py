@@ -4,6 +4,8 @@ run here, and the ops an shm communicator ran (its flight recorder), for the NCC
 Returns {"auto": ..., "errors": {...}, "runs": [{"mode", "lanes", "calls": [...], "ops": [...]}]}."""
 from __future__ import annotations
 
+from typing import Any
+
 import harness
 
 DTYPES = ["float32", "bfloat16", "int64", "float8_e4m3fn", "bool", "complex64", "float16", "uint8"]
@@ -22,7 +24,7 @@ def body(params):
 
     import megatron_p2p as mp
 
-    out = {"errors": {}, "runs": []}
+    out: dict[str, Any] = {"errors": {}, "runs": []}
     auto = mp.init_communicator(backend="auto", timeout=30.0)
     out["auto"] = auto.backend
     auto.close()
@@ -37,14 +39,15 @@ def body(params):
             comm = mp.init_communicator(timeout=30.0, lanes=lanes)
             if comm.rank == 0:
                 out["errors"]["meta_tensor"] = caught(lambda: comm.isend(torch.empty(4, device="meta"), comm.next_rank))
-            calls = []
+            calls: list[dict[str, Any]] = []
             for i, dtype in enumerate(DTYPES):
                 numel = int(torch.randint(0, 3000, (1,), generator=gen))
                 make = lambda: torch.zeros(numel, dtype=getattr(torch, dtype))  # noqa: E731
                 # Every subset of the four ops that pairs up around the ring.
                 present = [("send_next", "recv_prev"), ("send_prev", "recv_next"),
                            ("send_next", "recv_prev", "send_prev", "recv_next")][i % 3]
-                reqs = comm.exchange(mode=mode, **{name: make() for name in present})
+                ops: dict[str, Any] = {name: make() for name in present}  # exchange's tensor arguments
+                reqs = comm.exchange(mode=mode, **ops)
                 for r in reqs.values():
                     r.wait()
                 calls.append({"kind": "exchange", "ops": list(present)})
@@ -55,9 +58,9 @@ def body(params):
                 first(t, peer).wait()
                 second(t, peer).wait()
                 calls += [{"kind": "single"}, {"kind": "single"}]
-                reqs = comm.batch([(True, torch.ones(8), peer), (False, torch.empty(8), peer)])
-                for r in reqs:
-                    r.wait()
+                batched = comm.batch([(True, torch.ones(8), peer), (False, torch.empty(8), peer)])
+                for b in batched:
+                    b.wait()
                 calls.append({"kind": "batch"})
             out["runs"].append({"mode": mode, "lanes": lanes, "rank": comm.rank, "size": comm.size,
                                 "calls": calls, "ops": comm.recent_ops()})

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import harness
 import nccl_model_cuda
@@ -45,7 +46,7 @@ def body(params):
     peer = comm.ranks[1 - comm.rank]
     t = torch.arange(256, dtype=torch.float32)
     got = torch.zeros(256, dtype=torch.float32)
-    out = {}
+    out: dict[str, Any] = {}
 
     if case == "normal_end":
         agent_store.set(f"pid{me}", str(os.getpid()))

@@ -20,6 +20,8 @@ raises, how fast).
 params: configs and layout_configs (lists of [class, stages_per_rank, microbatches, given]),
 defer (list of [class, stages_per_rank, microbatches, uniform]), timeout."""
 
+from typing import Any
+
 import harness
 
 WIDTH_LIST = [6, 4, 7, 3, 5, 8, 4, 6, 5, 3]
@@ -46,7 +48,9 @@ def build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer=F
     v = cls_name in ("ZBVZeroBubble", "DualPipeV")
     local = [me, 2 * world - 1 - me] if v else [me + k * world for k in range(spr)]
 
-    class Stage(nn.Module):
+    from torch.nn import Module  # nn's
+
+    class Stage(Module):
         def __init__(self, s):
             super().__init__()
             self.s = s
@@ -63,6 +67,7 @@ def build(torch, nn, pipelining, cls_name, spr, n_mb, given, transposed, defer=F
             return h
 
     def examples(s):
+        inputs: tuple
         if s == 0:
             inputs = (torch.empty(ROWS, widths[0], device=device),)
         elif s == 1:
@@ -104,15 +109,16 @@ def run_once(torch, nn, pipelining, cfg, seed, transposed=False, defer=False, un
     has_last = any(st.is_last for st in stages)
     args = (x,) if has_first else ()
     kw = {"target": y} if has_last else {}
-    record = {"losses": [], "eval": [], "grads": []}
+    record: dict[str, list] = {"losses": [], "eval": [], "grads": []}
     for call in CALLS.get(cls_name, ("step", "eval", "step")):
-        losses = [] if has_last else None
+        losses: list | None = [] if has_last else None
         try:
             out = getattr(sched, call)(*args, losses=losses, **kw)
         except Exception as exc:
             exc.add_note(f"in {call}() of {cfg}")
             raise
         if has_last:
+            assert losses is not None
             record["losses"] += [t.detach().clone() for t in losses]
             if call == "eval":
                 record["eval"].append(out.detach().clone())
@@ -133,7 +139,7 @@ def peers(torch, dist, mp):
     """torch's peer arguments and blocking calls on ranks 0 and 1; the object-list wire bytes of
     torch's own (over gloo) and ours, read raw on rank 1."""
     me, other = dist.get_rank(), 1 - dist.get_rank()
-    res = {}
+    res: dict[str, Any] = {}
     by_global = mp.P2POp(dist.isend, torch.ones(1), other)
     by_group = mp.P2POp(dist.irecv, torch.ones(1), group_peer=other)
     res["group_peer_filled"] = [by_global.group_peer, by_group.peer]
@@ -182,7 +188,7 @@ def body(params):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    out = {"runs": {}}
+    out: dict[str, Any] = {"runs": {}}
     with mp.patch_pipelining():  # no communicator yet: the first-step vote's first call says so
         out["no_comm"] = harness.caught(lambda: run_once(torch, nn, pipelining, params["configs"][0], seed=7))
     comm = mp.register_communicator(mp.init_communicator(timeout=params["timeout"]))

@@ -66,7 +66,7 @@ def one_f_one_b(torch, comm, mode, params, backend):
     stage, stages = comm.rank, comm.size
     first, last = stage == 0, stage == stages - 1
     microbatches = params["microbatches"]
-    calls = {}
+    calls: dict[str, int] = {}
 
     def numel(m):
         return params["small_numel"][0] if m % 2 == 0 else params["big_numel"]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import harness
 
@@ -85,7 +86,7 @@ def body(params):
 
     store = _env_rendezvous()[0]
     me = int(os.environ["RANK"])
-    out = {"pid": os.getpid(), "uid": os.getuid()}
+    out: dict[str, Any] = {"pid": os.getpid(), "uid": os.getuid()}
     # The transport is created directly (init_communicator would have rank 0 wait for every rank
     # to arrive before it makes the segment): rank 1 holds back its attach to look at it.
     if me == 0:

@@ -14,8 +14,8 @@ class IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def errno_name(code: int) -> str:
-    return errno.errorcode.get(code, str(code))
+def errno_name(code: int | None) -> str:
+    return str(code) if code is None else errno.errorcode.get(code, str(code))
 
 
 def open_segment(path: str, flags: int) -> str:

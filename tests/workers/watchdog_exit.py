@@ -38,6 +38,8 @@ class Comm:
 
 
 class SlowFinalizer:
+    self: "SlowFinalizer"  # set below: a reference cycle
+
     def __del__(self, sleep=time.sleep):
         sleep(FINALIZER_SECONDS)  # releases the GIL, so the daemon thread can try to take it back
 
@@ -51,7 +53,7 @@ class Relay:
 
 comm = Comm()
 if sys.argv[1] == "watchdog":
-    watchdog.watch(comm, Relay())
+    watchdog.watch(comm, Relay())  # type: ignore[arg-type]  # stand-ins for a communicator and a relay
 else:
     threading.Thread(target=store_call, daemon=True).start()
 entered.wait()
