@@ -75,6 +75,9 @@ class PeerFailureError(P2PError): ...
 class BackendUnavailableError(P2PError): ...
 
 DTYPE_NAMES: Final[tuple[str, ...]]
+SLOT_NAMES: Final[tuple[str, str, str, str]]
+MODE_NAMES: Final[tuple[str, str]]
+MAX_LANES: Final[int]
 DEFAULT_ARENA_BYTES: Final[int]
 MAX_ARENA_BYTES: Final[int]
 ARENA_WAIT_BYTES: Final[int]

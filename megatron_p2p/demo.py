@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--layers", type=int, default=8, help="Linear layers; a multiple of the rank count (default 8)")
     p.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default 0.2)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the weights and the data (default 1234)")
-    p.add_argument("--mode", choices=("parity", "batched"), default="parity",
+    p.add_argument("--mode", choices=mp._C.MODE_NAMES, default="parity",
                    help="how each exchange issues its ops: Megatron's parity order, or grouped (default parity)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any p2p wait may block (default 60)")
     a = p.parse_args(argv)

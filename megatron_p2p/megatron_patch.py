@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import p2p_communication as ours
+from ._patching import Swap
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -35,27 +34,11 @@ class MegatronPatch:
     def __init__(self, originals: dict[str, Any], replacements: dict[str, Any]):
         self.originals = originals          # name -> megatron-core's object
         self.replacements = replacements    # name -> ours
-        self.swapped: list[tuple[str, str]] = []
+        self._swap = Swap("megatron", [(obj, replacements[name]) for name, obj in originals.items()])
 
-    def _apply(self) -> None:
-        by_id = {id(obj): name for name, obj in self.originals.items()}
-        for mod_name, mod in _megatron_modules():
-            for attr, value in list(vars(mod).items()):
-                name = by_id.get(id(value))
-                if name is not None:
-                    setattr(mod, attr, self.replacements[name])
-                    self.swapped.append((mod_name, attr))
-        logger.info("patch_megatron: swapped %d bindings in %d modules", len(self.swapped),
-                    len({m for m, _ in self.swapped}))
-
-    def _undo(self) -> None:
-        # Modules imported while patched bound our objects too: restore them wherever they are.
-        back = {id(obj): self.originals[name] for name, obj in self.replacements.items()}
-        for _, mod in _megatron_modules():
-            for attr, value in list(vars(mod).items()):
-                if id(value) in back:
-                    setattr(mod, attr, back[id(value)])
-        self.swapped.clear()
+    @property
+    def swapped(self) -> list[tuple[str, str]]:
+        return self._swap.swapped
 
     def __enter__(self) -> MegatronPatch:
         return self
@@ -65,11 +48,6 @@ class MegatronPatch:
 
 
 _active: MegatronPatch | None = None
-
-
-def _megatron_modules() -> list[tuple[str, ModuleType]]:
-    return [(n, m) for n, m in list(sys.modules.items())
-            if (n == "megatron" or n.startswith("megatron.")) and isinstance(m, ModuleType)]
 
 
 def _configured_class(options: dict[str, Any]) -> type:
@@ -113,7 +91,9 @@ def patch_megatron(
         originals[name] = original
         replacements[name] = _configured_class(options) if name == "P2PCommunicator" else getattr(ours, name)
     patch = MegatronPatch(originals, replacements)
-    patch._apply()
+    patch._swap.apply()
+    logger.info("patch_megatron: swapped %d bindings in %d modules", len(patch.swapped),
+                len({m for m, _ in patch.swapped}))
     _active = patch
     return patch
 
@@ -124,7 +104,7 @@ def unpatch_megatron() -> None:
     global _active
     if _active is None:
         return
-    _active._undo()
+    _active._swap.restore()
     _active = None
     logger.info("unpatch_megatron: megatron-core's pipeline communication restored")
 

@@ -85,8 +85,8 @@ if TYPE_CHECKING:
     _Overlapped: TypeAlias = tuple[torch.Tensor | None, _Handles] | tuple[list[torch.Tensor | None], list[_Handles]]
 
 
-MODES = ("parity", "batched")
-SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
+MODES = _C.MODE_NAMES  # the C core's names (csrc/core/plan.c)
+SLOTS = _C.SLOT_NAMES
 
 # Shape header of the variable-sequence-length exchange: ndim, up to _MAX_DIMS sizes, dtype code.
 _MAX_DIMS = 6
@@ -259,7 +259,9 @@ class P2PCommunicator:
         if mode is None:
             mode = "batched" if getattr(config, "batch_p2p_comm", True) else "parity"
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            # Checked here as well as by exchange() (in the same words): a wrong mode fails where it is
+            # given, not at the first exchange, possibly many steps later.
+            raise ValueError(f"mode must be {' or '.join(map(repr, MODES))}, got {mode!r}")
         self.comm: CommunicatorLike = comm
         self.mode: str = mode
         me = ranks.index(dist.get_rank())

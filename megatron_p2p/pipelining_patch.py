@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from ._patching import Swap
 
 logger = logging.getLogger(__name__)
 
@@ -165,31 +165,14 @@ class PipeliningPatch:
     def __init__(self, comm: ops.Communicator | None):
         self.comm = comm
         self.dist = _proxy(comm)
-        self.swapped: list[tuple[str, str]] = []
+        # (torch's object, ours): the module itself, and its p2p functions in case a module
+        # bound them by name.
+        self._swap = Swap(_PACKAGE, [(dist, self.dist)] + [(getattr(dist, n), getattr(self.dist, n))
+                                                            for n in P2P_NAMES])
 
-    def _pairs(self) -> list[tuple[Any, Any]]:
-        """(torch's object, ours): the module itself, and its p2p functions in case a module
-        bound them by name."""
-        return [(dist, self.dist)] + [(getattr(dist, n), getattr(self.dist, n)) for n in P2P_NAMES]
-
-    def _rebind(self, by_id: dict[int, Any]) -> list[tuple[str, str]]:
-        changed = []
-        for mod_name, mod in _pipelining_modules():
-            for attr, value in list(vars(mod).items()):
-                if id(value) in by_id:
-                    setattr(mod, attr, by_id[id(value)])
-                    changed.append((mod_name, attr))
-        return changed
-
-    def _apply(self) -> None:
-        self.swapped = self._rebind({id(theirs): ours for theirs, ours in self._pairs()})
-        logger.info("patch_pipelining: swapped %d bindings in %d modules", len(self.swapped),
-                    len({m for m, _ in self.swapped}))
-
-    def _undo(self) -> None:
-        # Modules imported while patched bound the proxy too: restore them wherever they are.
-        self._rebind({id(ours): theirs for theirs, ours in self._pairs()})
-        self.swapped.clear()
+    @property
+    def swapped(self) -> list[tuple[str, str]]:
+        return self._swap.swapped
 
     def __enter__(self) -> PipeliningPatch:
         return self
@@ -199,11 +182,6 @@ class PipeliningPatch:
 
 
 _active: PipeliningPatch | None = None
-
-
-def _pipelining_modules() -> list[tuple[str, ModuleType]]:
-    return [(n, m) for n, m in list(sys.modules.items())
-            if (n == _PACKAGE or n.startswith(_PACKAGE + ".")) and isinstance(m, ModuleType)]
 
 
 def patch_pipelining(comm: ops.Communicator | None = None) -> PipeliningPatch:
@@ -224,7 +202,9 @@ def patch_pipelining(comm: ops.Communicator | None = None) -> PipeliningPatch:
     for name in _PRELOAD:
         importlib.import_module(name)
     patch = PipeliningPatch(comm)
-    patch._apply()
+    patch._swap.apply()
+    logger.info("patch_pipelining: swapped %d bindings in %d modules", len(patch.swapped),
+                len({m for m, _ in patch.swapped}))
     _active = patch
     return patch
 
@@ -235,7 +215,7 @@ def unpatch_pipelining() -> None:
     global _active
     if _active is None:
         return
-    _active._undo()
+    _active._swap.restore()
     _active = None
     logger.info("unpatch_pipelining: torch.distributed.pipelining's own communication restored")
 

@@ -19,7 +19,7 @@ from megatron_p2p import program as prog
 from megatron_p2p.program import ProgramBuilder, ProgramError, dumps, from_dict, load, loads, to_dict
 from megatron_p2p.simulate import simulate
 
-PROGRAMS = Path(__import__("megatron_p2p").__file__).parent / "programs"  # the shipped programs
+PROGRAMS = Path(__import__("megatron_p2p").__path__[0]) / "programs"  # the shipped programs
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -364,7 +364,7 @@ class Oracle:
     serialized. Returns every terminal state: (set of ops done, whether a pair disagreed)."""
 
     def __init__(self, program: prog.Program, serialize_lanes: bool = False) -> None:
-        self.ops = []  # (rank, call, step, index, op)
+        self.ops: list[tuple] = []  # (rank, call, step, index, op)
         self.calls: dict[tuple[int, int], list[int]] = {}
         lane_steps: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.step_ops: dict[tuple[int, int, int], list[int]] = {}
@@ -408,7 +408,7 @@ class Oracle:
 
     def explore(self, limit: int = 200_000) -> set:
         size = self.program.size
-        start = (tuple([0] * size), frozenset(), frozenset(), False)
+        start: tuple[tuple[int, ...], frozenset, frozenset, bool] = (tuple([0] * size), frozenset(), frozenset(), False)
         seen = {start}
         todo = [start]
         terminals = set()
@@ -554,7 +554,7 @@ def test_simulate_binding_rejects_each_misuse_up_front():
     with pytest.raises(TypeError, match="streams must be a tuple of 2"):
         _C.simulate(2, 1, 0, ok)
     with pytest.raises(TypeError, match=r"streams\[0\] must be bytes"):
-        _C.simulate(1, 1, 0, ("x",))
+        _C.simulate(1, 1, 0, ("x",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"streams\[0\] holds 3 bytes"):
         _C.simulate(1, 1, 0, (b"abc",))
     assert _C.simulate(1, 1, 0, ok)[0] == "ok"
@@ -571,8 +571,8 @@ def test_malformed_packed_streams_are_rejected_never_crash():
     rejected = 0
     for seed in range(300):
         p = random_program(seed)
-        size, lanes, eager, streams = p.packed()
-        streams = list(streams)
+        size, lanes, eager, packed = p.packed()
+        streams = list(packed)
         r = rng.randrange(size)
         values = array("q", streams[r])
         if not values:

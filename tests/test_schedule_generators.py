@@ -14,15 +14,15 @@ from collections import defaultdict
 import pytest
 
 from megatron_p2p import schedules
-from megatron_p2p.program import Program
+from megatron_p2p.program import Program, ProgramBuilder
 from megatron_p2p.schedules import Rank, generate, grid_configs, rank_calls
 
 TENSOR = 4096
 
 
 def calls_of(schedule, pp, vpp=1, microbatches=None, overlap=False, variable=False, lanes=2):
-    return rank_calls(schedule, pp, vpp, microbatches or 2 * pp, overlap, variable, TENSOR, "float32",
-                      lanes if variable else None)
+    return rank_calls(schedule, pp, vpp=vpp, microbatches=microbatches or 2 * pp, overlap=overlap, variable=variable,
+                      tensor_bytes=TENSOR, dtype="float32", lanes=lanes if variable else None)
 
 
 def expanded(program: Program):
@@ -34,7 +34,7 @@ def expanded(program: Program):
 
 def channels(program: Program):
     """{(src, dst, lane): ([send (bytes, dtype, label)...], [recv ...])} in issue order."""
-    out = defaultdict(lambda: ([], []))
+    out: defaultdict[tuple[int, int, int], tuple[list, list]] = defaultdict(lambda: ([], []))
     for rank, calls in enumerate(expanded(program)):
         for _, _, _, ops in calls:
             for kind, peer, lane, nbytes, dtype, label in ops:
@@ -70,8 +70,8 @@ def test_a_send_without_its_receive_is_told_apart():
     for c in calls[1]:
         if c[2] is not None and c[0] == "recv_forward":
             continue  # drop the stage's first activation receive
-        broken.post(c[0], *c[1:5], waited=True)
-    builder = schedules.ProgramBuilder(3, 2)
+        broken.post(c[0], c[1], c[2], c[3], c[4], waited=True)
+    builder = ProgramBuilder(3, 2)
     for r, rc in enumerate([calls[0], broken.finish(), calls[2]]):
         schedules.emit(builder, r, rc, "parity")
     assert any(s != r for s, r in channels(builder.build()).values())
@@ -140,7 +140,7 @@ def test_variable_seq_lengths_sends_each_header_right_ahead_of_its_tensor(lanes)
     data receives follows, on its lane, a step of their headers' receives that is waited for
     before the data step is posted (shape_headers.round_steps)."""
     for stage, calls in enumerate(calls_of("interleaved", 4, vpp=2, microbatches=8, variable=True, lanes=lanes)):
-        waited = set()
+        waited: set[int] = set()
         for index, (name, kind, (lane, ops), _, _, wait, awaits) in enumerate(calls):
             assert kind == schedules.STEP
             waited.update(c for c, _ in awaits)
@@ -285,7 +285,8 @@ def test_generator_agrees_with_megatron_core_call_for_call(recording, schedule, 
     """Op kinds, peers, bytes, dtypes, call names, waits and awaits (by op) are the same."""
     recorded = recording.record_calls(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, overlap=overlap,
                                       variable_seq_lengths=variable, tensor_bytes=TENSOR)
-    generated = rank_calls(schedule, pp, vpp, microbatches, overlap, variable, TENSOR, "float32", 2 if variable else None)
+    generated = rank_calls(schedule, pp, vpp=vpp, microbatches=microbatches, overlap=overlap, variable=variable,
+                           tensor_bytes=TENSOR, dtype="float32", lanes=2 if variable else None)
     for stage in range(pp):
         assert without_labels(generated[stage]) == without_labels(recorded[stage]), f"stage {stage}"
 
@@ -301,5 +302,6 @@ def test_recorded_program_expands_like_the_generated_one(recording, lanes):
 def test_recording_tells_a_different_schedule_apart(recording):
     """The comparison can fail: 1F1B recorded with one microbatch fewer differs."""
     recorded = recording.record_calls("1f1b", 3, microbatches=5, mode="parity")
-    generated = rank_calls("1f1b", 3, 1, 6, False, False, TENSOR, "float32")
+    generated = rank_calls("1f1b", 3, vpp=1, microbatches=6, overlap=False, variable=False, tensor_bytes=TENSOR,
+                           dtype="float32")
     assert without_labels(generated[1]) != without_labels(recorded[1])

@@ -16,12 +16,12 @@ from megatron_p2p import torch_schedules as ts
 from megatron_p2p.program import load
 from megatron_p2p.simulate import simulate
 
-PROGRAMS = Path(__import__("megatron_p2p").__file__).parent / "programs"  # the shipped programs
+PROGRAMS = Path(__import__("megatron_p2p").__path__[0]) / "programs"  # the shipped programs
 
 
 def channels(program):
     """{(src, dst, lane): ([send (bytes, dtype, label)...], [recv ...])} in issue order."""
-    out = defaultdict(lambda: ([], []))
+    out: defaultdict[tuple[int, int, int], tuple[list, list]] = defaultdict(lambda: ([], []))
     for rank, calls in enumerate(program.ranks):
         for call in calls:
             for op in (o for step in call.steps for o in step):
@@ -40,7 +40,7 @@ def _agreeing(name):
     compared = 0
     for _, pp, m, spr, defer in (c for c in AGREEMENT if c[0] == name):
         try:
-            generated = ts.rank_calls(name, pp, m, spr, defer, "none")
+            generated = ts.rank_calls(name, pp, microbatches=m, stages_per_rank=spr, defer_pp_recv=defer)
         except ValueError as e:  # torch refuses it: so must its real loop
             assert "torch refuses" in str(e)
             with pytest.raises(ValueError, match="torch refuses"):
@@ -61,8 +61,8 @@ def test_action_list_translation_agrees_with_torchs_runtime_loop_call_for_call(n
 
 def test_the_agreement_check_tells_a_different_schedule_apart():
     recorded = ts.record_calls("Interleaved1F1B", 2, microbatches=4, stages_per_rank=2, defer_pp_recv=True)
-    assert list(ts.rank_calls("Interleaved1F1B", 2, 4, 2, False, "none")) != recorded
-    assert list(ts.rank_calls("Interleaved1F1B", 2, 4, 2, True, "none")) == recorded
+    assert list(ts.rank_calls("Interleaved1F1B", 2, microbatches=4, stages_per_rank=2, defer_pp_recv=False)) != recorded
+    assert list(ts.rank_calls("Interleaved1F1B", 2, microbatches=4, stages_per_rank=2, defer_pp_recv=True)) == recorded
 
 
 def test_1f1b_steady_state_batches_a_send_with_a_receive_and_warmup_posts_single_ops():
@@ -112,7 +112,7 @@ def test_v_placement_hands_over_locally_on_the_last_rank():
 
 
 def test_first_step_vote_is_blocking_int32_along_the_stages_and_back():
-    calls = ts.rank_calls("GPipe", 3, 3, 1, False, "vote")[1]
+    calls = ts.rank_calls("GPipe", 3, microbatches=3, stages_per_rank=1, first_step="vote")[1]
     vote = [(c[0], c[1][0][1], c[1][0][3], c[3]) for c in calls[:4]]
     assert vote == [("recv", 0, "int32", True), ("send", 2, "int32", True),
                     ("recv", 2, "int32", True), ("send", 0, "int32", True)]
@@ -120,13 +120,14 @@ def test_first_step_vote_is_blocking_int32_along_the_stages_and_back():
 
 
 def test_first_step_metadata_sends_an_int64_size_then_a_uint8_payload_after_the_vote():
-    calls = ts.rank_calls("GPipe", 2, 2, 1, False, "metadata")[0]
+    calls = ts.rank_calls("GPipe", 2, microbatches=2, stages_per_rank=1, first_step="metadata")[0]
     meta = [c for c in calls if c[0].endswith("object_list")]
     assert [(c[0], c[1][0][3], c[2], c[3]) for c in meta] == [
         ("send_object_list", "int64", True, True), ("send_object_list", "uint8", True, True),
         ("recv_object_list", "int64", True, True), ("recv_object_list", "uint8", True, True)]
     assert calls.index(meta[0]) == 2  # after the vote's send and receive
-    assert not any(c[0].endswith("object_list") for c in ts.rank_calls("GPipe", 2, 2, 1, False, "vote")[0])
+    assert not any(c[0].endswith("object_list")
+                   for c in ts.rank_calls("GPipe", 2, microbatches=2, stages_per_rank=1, first_step="vote")[0])
 
 
 # ---- verdicts ------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def test_without_defer_pp_recv_interleaved_1f1b_at_pp2_completes():
 def test_defer_pp_recv_reorders_receives_on_a_channel_under_buffering(name, pp, m):
     """Every send buffered (eager): an activation meets a receive posted for a gradient."""
     verdict = simulate(ts.generate(name, pp, microbatches=m, defer_pp_recv=True, eager_threshold=ts.MAX_EAGER))
-    assert verdict.verdict == "mismatch"
+    assert verdict.verdict == "mismatch" and verdict.mismatch is not None
     send, recv = verdict.mismatch
     assert send.op.label.split()[0] != recv.op.label.split()[0]  # act against grad
     assert simulate(ts.generate(name, pp, microbatches=m, eager_threshold=ts.MAX_EAGER)).ok

@@ -7,17 +7,15 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "plan.h"
 #include "result.h"
 
 typedef enum { MP_SEND = 0, MP_RECV = 1 } mp_kind;
 
-/* Who issued the op; both sides name each other's op in a mismatch report. */
+/* Who issued the op; both sides name each other's op in a mismatch report. Labels below
+ * MP_NUM_SLOTS are the mp_slot values (plan.h): an exchange's op is labelled by its slot. */
 typedef enum {
-    MP_LABEL_SEND_NEXT = 0,
-    MP_LABEL_RECV_PREV,
-    MP_LABEL_SEND_PREV,
-    MP_LABEL_RECV_NEXT,
-    MP_LABEL_ISEND,
+    MP_LABEL_ISEND = MP_NUM_SLOTS,
     MP_LABEL_IRECV,
     MP_NUM_LABELS,
 } mp_label;

@@ -2,7 +2,12 @@
 
 #include "op.h"
 
-static const char *const slot_names[MP_NUM_SLOTS] = {"send_next", "recv_prev", "send_prev", "recv_next"};
+/* The one name table of the ops: the slots (an exchange's ops), then the other labels (op.h). */
+static const char *const label_names[MP_NUM_LABELS] = {
+    [MP_SEND_NEXT] = "send_next", [MP_RECV_PREV] = "recv_prev", [MP_SEND_PREV] = "send_prev",
+    [MP_RECV_NEXT] = "recv_next", [MP_LABEL_ISEND] = "isend",    [MP_LABEL_IRECV] = "irecv",
+};
+static const char *const mode_names[MP_NUM_MODES] = {[MP_MODE_PARITY] = "parity", [MP_MODE_BATCHED] = "batched"};
 
 /* Megatron's _p2p_ops order. Even ranks send first, odd ranks receive first, so a strict
  * rendezvous pairs neighbours on every chain and ring. */
@@ -28,7 +33,12 @@ static const mp_slot batched_order[MP_NUM_SLOTS] = {MP_SEND_NEXT, MP_RECV_PREV, 
 
 const char *mp_slot_name(mp_slot s)
 {
-    return (unsigned)s < MP_NUM_SLOTS ? slot_names[s] : "?";
+    return (unsigned)s < MP_NUM_SLOTS ? label_names[s] : "?";
+}
+
+const char *mp_mode_name(mp_mode m)
+{
+    return (unsigned)m < MP_NUM_MODES ? mode_names[m] : "?";
 }
 
 int mp_slot_is_send(mp_slot s)
@@ -80,8 +90,6 @@ void mp_plan_exchange(const mp_plan_input *in, mp_plan *out)
         step->ops[step->nops++] = s;
     }
 }
-
-static const char *const label_names[MP_NUM_LABELS] = {"send_next", "recv_prev", "send_prev", "recv_next", "isend", "irecv"};
 
 const char *mp_label_name(mp_label l)
 {

@@ -228,17 +228,13 @@ static int post_steps(CommObject *self, const step_plan *plans, int nsteps, cons
 
 static int parse_mode(PyObject *mode, mp_mode *out)
 {
-    if (PyUnicode_Check(mode)) {
-        if (PyUnicode_CompareWithASCIIString(mode, "parity") == 0) {
-            *out = MP_MODE_PARITY;
+    for (int m = 0; PyUnicode_Check(mode) && m < MP_NUM_MODES; m++)
+        if (PyUnicode_CompareWithASCIIString(mode, mp_mode_name((mp_mode)m)) == 0) {
+            *out = (mp_mode)m;
             return 0;
         }
-        if (PyUnicode_CompareWithASCIIString(mode, "batched") == 0) {
-            *out = MP_MODE_BATCHED;
-            return 0;
-        }
-    }
-    PyErr_Format(PyExc_ValueError, "mode must be 'parity' or 'batched', got %R", mode);
+    PyErr_Format(PyExc_ValueError, "mode must be '%s' or '%s', got %R", mp_mode_name(MP_MODE_PARITY),
+                 mp_mode_name(MP_MODE_BATCHED), mode);
     return -1;
 }
 

@@ -49,12 +49,14 @@ static PyObject *plan(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kwargs
                                      &next_self))
         return NULL;
     mp_plan_input in = {.nlanes = lanes, .rank = rank, .prev_is_self = prev_self, .next_is_self = next_self};
-    if (strcmp(mode, "parity") == 0)
-        in.mode = MP_MODE_PARITY;
-    else if (strcmp(mode, "batched") == 0)
-        in.mode = MP_MODE_BATCHED;
-    else
-        return PyErr_Format(PyExc_ValueError, "mode must be 'parity' or 'batched', got '%s'", mode);
+    int found_mode = -1;
+    for (int m = 0; m < MP_NUM_MODES; m++)
+        if (strcmp(mode, mp_mode_name((mp_mode)m)) == 0)
+            found_mode = m;
+    if (found_mode < 0)
+        return PyErr_Format(PyExc_ValueError, "mode must be '%s' or '%s', got '%s'", mp_mode_name(MP_MODE_PARITY),
+                            mp_mode_name(MP_MODE_BATCHED), mode);
+    in.mode = (mp_mode)found_mode;
     PyObject *it = PyObject_GetIter(ops), *name;
     if (!it)
         return NULL;
@@ -184,6 +186,26 @@ static int watch_forks(PyObject *mod, mp_state *st)
     return done ? 0 : -1;
 }
 
+static const char *slot_name(int i) { return mp_slot_name((mp_slot)i); }
+static const char *mode_name(int i) { return mp_mode_name((mp_mode)i); }
+
+/* mod.<attr>: the tuple of the C core's names 0..n-1 (one name table, read from Python). */
+static int add_names(PyObject *mod, const char *attr, int n, const char *(*name_of)(int))
+{
+    PyObject *names = PyTuple_New(n);
+    for (int i = 0; names && i < n; i++) {
+        PyObject *name = PyUnicode_FromString(name_of(i));
+        if (!name) {
+            Py_CLEAR(names);
+            break;
+        }
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    int rc = names ? PyModule_AddObjectRef(mod, attr, names) : -1;
+    Py_XDECREF(names);
+    return rc;
+}
+
 static int module_exec(PyObject *mod)
 {
     mp_state *st = state_of(mod);
@@ -220,14 +242,12 @@ static int module_exec(PyObject *mod)
     st->RequestType = (PyTypeObject *)PyType_FromModuleAndSpec(mod, &mp_request_spec, NULL);
     if (!st->RequestType || PyModule_AddType(mod, st->RequestType) < 0)
         return -1;
-    PyObject *names = PyTuple_New(MP_NUM_DTYPES);
-    for (int i = 0; names && i < MP_NUM_DTYPES; i++)
-        PyTuple_SET_ITEM(names, i, PyUnicode_FromString(mp_dtype_name(i)));
-    rc = names ? PyModule_AddObjectRef(mod, "DTYPE_NAMES", names) : -1;
-    Py_XDECREF(names);
-    if (rc < 0)
+    if (add_names(mod, "DTYPE_NAMES", MP_NUM_DTYPES, mp_dtype_name) < 0 ||
+        add_names(mod, "SLOT_NAMES", MP_NUM_SLOTS, slot_name) < 0 ||
+        add_names(mod, "MODE_NAMES", MP_NUM_MODES, mode_name) < 0)
         return -1;
-    if (PyModule_AddIntConstant(mod, "DEFAULT_ARENA_BYTES", (long)MP_ARENA_DEFAULT_BYTES) < 0 ||
+    if (PyModule_AddIntConstant(mod, "MAX_LANES", MP_MAX_LANES) < 0 ||
+        PyModule_AddIntConstant(mod, "DEFAULT_ARENA_BYTES", (long)MP_ARENA_DEFAULT_BYTES) < 0 ||
         PyModule_AddIntConstant(mod, "MAX_ARENA_BYTES", (long)MP_ARENA_MAX_BYTES) < 0 ||
         PyModule_AddIntConstant(mod, "ARENA_WAIT_BYTES", MP_SHM_OFFER_WAIT_BYTES) < 0)
         return -1;

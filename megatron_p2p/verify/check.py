@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .program import ProgramError, dumps, load
+from .program import LANES, MODES, ProgramError, dumps, load
 from .simulate import Verdict, simulate
 
 if TYPE_CHECKING:
@@ -324,8 +324,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, help="pipeline ranks (with --schedule)")
     p.add_argument("--vpp", type=int, default=1, help="virtual stages per rank (interleaved)")
     p.add_argument("--microbatches", type=int, help="microbatches (default 2 * pp)")
-    p.add_argument("--mode", choices=("parity", "batched"), default="parity")
-    p.add_argument("--lanes", type=int, choices=(1, 2), default=2)
+    p.add_argument("--mode", choices=MODES, default=MODES[0])
+    p.add_argument("--lanes", type=int, choices=LANES, default=max(LANES))
     p.add_argument("--overlap", action="store_true", help="overlap_p2p_comm (interleaved)")
     p.add_argument("--variable-seq-lengths", action="store_true", help="with the shape round before each exchange")
     p.add_argument("--eager", type=int, default=0, metavar="BYTES",

@@ -242,7 +242,7 @@ def record_calls(schedule: str, pp: int, *, vpp: int = 1, microbatches: int, mod
         raise ValueError(f"vpp={vpp!r} does not fit the {schedule} schedule (interleaved needs vpp >= 2, 1f1b vpp 1)")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    refusal = megatron_refusal(schedule, pp, vpp, microbatches, overlap)
+    refusal = megatron_refusal(schedule, pp, vpp=vpp, microbatches=microbatches, overlap=overlap)
     if refusal:
         raise ValueError(refusal)
     if tensor_bytes <= 0 or tensor_bytes % (4 * _SEQ_LENGTH * _MICRO_BATCH):

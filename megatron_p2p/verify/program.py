@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from typing import TypedDict
 
 FORMAT = "megatron_p2p.program/1"
-SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
-MODES = ("parity", "batched")
+SLOTS = _C.SLOT_NAMES  # the C core's names (csrc/core/plan.c), in mp_slot order
+MODES = _C.MODE_NAMES  # in mp_mode order: a call record's mode field is the index
+LANES = tuple(range(1, _C.MAX_LANES + 1))  # the lane counts a communicator may have
 KINDS = ("send", "recv")
 DTYPE_CODES = {name: code for code, name in enumerate(_C.DTYPE_NAMES)}
 ITEM_SIZES = {name: getattr(torch, name).itemsize for name in _C.DTYPE_NAMES}
@@ -41,9 +42,9 @@ MAX_SIZE = 1 << 16
 _TAG_STEPS, _TAG_EXCHANGE = 0, 1
 _FLAG_WAIT = 1
 _MODE_SHIFT = 1
-_SLOT_IS_NEXT = (True, False, False, True)
-_SLOT_IS_SEND = (True, False, True, False)
-_EXCHANGE_FLAGS = {("parity", True): 1, ("parity", False): 0, ("batched", True): 3, ("batched", False): 2}
+_SLOT_IS_NEXT = tuple(s.endswith("_next") for s in SLOTS)  # its peer: the next rank, else the previous one
+_SLOT_IS_SEND = tuple(s.startswith("send_") for s in SLOTS)
+_EXCHANGE_FLAGS = {(m, w): i << _MODE_SHIFT | (_FLAG_WAIT if w else 0) for i, m in enumerate(MODES) for w in (False, True)}
 
 
 Await = int | tuple[int, str | int]  # a whole earlier call, or one op of it
@@ -124,8 +125,8 @@ class ProgramBuilder:
     def __init__(self, size: int, lanes: int, eager_threshold: int = 0) -> None:
         if type(size) is not int or not 1 <= size <= MAX_SIZE:
             raise ProgramError(f"size: must be an int from 1 to {MAX_SIZE}, got {size!r}")
-        if type(lanes) is not int or lanes not in (1, 2):
-            raise ProgramError(f"lanes: must be 1 or 2, got {lanes!r}")
+        if type(lanes) is not int or lanes not in LANES:
+            raise ProgramError(f"lanes: must be 1 or {_C.MAX_LANES}, got {lanes!r}")
         if type(eager_threshold) is not int or not 0 <= eager_threshold <= _C.MAX_EAGER_THRESHOLD:
             raise ProgramError(
                 f"eager_threshold: must be an int from 0 to {_C.MAX_EAGER_THRESHOLD}, got {eager_threshold!r}")
@@ -201,7 +202,7 @@ class ProgramBuilder:
         flags = _EXCHANGE_FLAGS.get((mode, wait))
         if flags is None:
             if mode not in MODES:
-                raise _fail("exchange.mode", rank, len(self._names[rank]), f"must be 'parity' or 'batched', got {mode!r}")
+                raise _fail("exchange.mode", rank, len(self._names[rank]), f"must be {' or '.join(map(repr, MODES))}, got {mode!r}")
             flags = _EXCHANGE_FLAGS[mode, bool(wait)]
         packed_awaits = self._encode_awaits(rank, awaits, name) if awaits or type(name) is not str else ()
         labels = self._labels[rank]
@@ -242,7 +243,7 @@ class ProgramBuilder:
         return len(names) - 1
 
     def _check_self_exchange(self, rank: int, index: int, mask: int, mode: str, prev: int, next: int) -> None:
-        names = [SLOTS[b] for b in range(4) if mask >> b & 1]
+        names = [SLOTS[b] for b in range(len(SLOTS)) if mask >> b & 1]
         for s, (lane, slots) in enumerate(_plan_for(mode, self.lanes, rank, tuple(names), prev == rank, next == rank)):
             peers = [(next if _SLOT_IS_NEXT[SLOTS.index(n)] else prev, _SLOT_IS_SEND[SLOTS.index(n)]) for n in slots]
             sends = sum(1 for p, is_send in peers if p == rank and is_send)
@@ -417,7 +418,7 @@ class Program:
             prev, nxt, mask = stream[pos], stream[pos + 1], stream[pos + 2]
             pos += 3
             specs = {}
-            for bit in range(4):
+            for bit in range(len(SLOTS)):
                 if mask >> bit & 1:
                     specs[SLOTS[bit]] = (stream[pos], _C.DTYPE_NAMES[stream[pos + 1]], labels[label_at])
                     pos += 2
@@ -451,7 +452,7 @@ class Program:
         pos = self._offsets[rank][call]
         if stream[pos] == _TAG_EXCHANGE:
             mask = stream[pos + 3 + 2 * stream[pos + 2] + 2]
-            return call, [SLOTS[b] for b in range(4) if mask >> b & 1][op]
+            return call, [SLOTS[b] for b in range(len(SLOTS)) if mask >> b & 1][op]
         return call, op
 
     def _label_base(self, rank: int, index: int) -> int:
@@ -583,7 +584,7 @@ def from_dict(obj: Any, source: str = "<dict>") -> Program:
     if obj["format"] != FORMAT:
         raise rd.fail("format", f"must be {json.dumps(FORMAT)}, got {json.dumps(obj['format'])}")
     size = rd.int(obj["size"], "size", 1, MAX_SIZE, "size")
-    lanes = rd.int(obj["lanes"], "lanes", 1, 2, "lanes")
+    lanes = rd.int(obj["lanes"], "lanes", 1, _C.MAX_LANES, "lanes")
     eager = rd.int(obj.get("eager_threshold", 0), "eager_threshold", 0, _C.MAX_EAGER_THRESHOLD, "eager_threshold")
     ranks = obj["ranks"]
     if not isinstance(ranks, list):
@@ -635,7 +636,7 @@ def _read_exchange_call(rd: _Reader, builder: ProgramBuilder, call: dict[str, An
     wait, name, awaits = _read_common(rd, call, path, c)
     mode = call.get("mode", "parity")
     if mode not in MODES:
-        raise rd.fail(f"{path}.mode", f"must be \"parity\" or \"batched\", got {json.dumps(mode)}")
+        raise rd.fail(f"{path}.mode", f"must be {' or '.join(map(json.dumps, MODES))}, got {json.dumps(mode)}")
     prev = rd.int(call.get("prev", (r - 1) % size), f"{path}.prev", 0, size - 1, "prev")
     nxt = rd.int(call.get("next", (r + 1) % size), f"{path}.next", 0, size - 1, "next")
     ops = rd.keys(call["exchange"], f"{path}.exchange", set(SLOTS), (), "an exchange")

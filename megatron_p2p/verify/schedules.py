@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .. import shape_headers
 from ..p2p_communication import HEADER_BYTES, HEADER_CALL
-from .program import Program, ProgramBuilder, _plan_for
+from .program import LANES, MODES, SLOTS, Program, ProgramBuilder, _plan_for
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -45,10 +45,8 @@ if TYPE_CHECKING:
     _Handle: TypeAlias = tuple[int, str | int]  # (call, slot) of an exchange, (call, op index) of a step
 
 SCHEDULES = ("1f1b", "interleaved")
-MODES = ("parity", "batched")
-SLOTS = ("send_next", "recv_prev", "send_prev", "recv_next")
-SENDS = ("send_next", "send_prev")
-RECVS = ("recv_prev", "recv_next")
+SENDS = tuple(s for s in SLOTS if s.startswith("send_"))  # SLOTS and MODES: the C core's (program.py)
+RECVS = tuple(s for s in SLOTS if s.startswith("recv_"))
 DEFAULT_TENSOR_BYTES = 4096
 SHAPE_ROUND = HEADER_CALL
 HEADER = (HEADER_BYTES, "int64")  # the shape round's message: int64 words
@@ -261,7 +259,7 @@ class _Specs:
         self.grad = [[(nbytes, dtype, f"grad mb{m} chunk{c}") for m in range(microbatches)] for c in range(chunks)]
 
 
-def _one_f_one_b(p2p: _P2P, stage: int, pp: int, microbatches: int, specs: _Specs) -> None:
+def _one_f_one_b(p2p: _P2P, stage: int, *, pp: int, microbatches: int, specs: _Specs) -> None:
     """forward_backward_pipelining_without_interleaving's communication on one stage."""
     first, last = p2p.first, p2p.last
     act, grad = specs.act[0], specs.grad[0]
@@ -294,7 +292,8 @@ def schedule_table(microbatches: int, chunks: int, group: int) -> tuple[tuple[in
     return mbs, cks
 
 
-def _interleaved(p2p: _P2P, stage: int, pp: int, vpp: int, microbatches: int, overlap: bool, specs: _Specs) -> None:
+def _interleaved(p2p: _P2P, stage: int, *, pp: int, vpp: int, microbatches: int, overlap: bool,
+                 specs: _Specs) -> None:
     """forward_backward_pipelining_with_interleaving's communication on one stage (training,
     microbatch_group_size_per_vp_stage = pp, no warmup flush)."""
     first, last = p2p.first, p2p.last
@@ -389,7 +388,7 @@ def _interleaved(p2p: _P2P, stage: int, pp: int, vpp: int, microbatches: int, ov
 # ---- programs ---------------------------------------------------------------------------------
 
 
-def megatron_refusal(schedule: str, pp: int, vpp: int, microbatches: int, overlap: bool) -> str | None:
+def megatron_refusal(schedule: str, pp: int, *, vpp: int, microbatches: int, overlap: bool) -> str | None:
     """Why megatron-core 0.19.2 refuses this schedule (its own check, in words), or None."""
     if schedule == "1f1b" and overlap:
         return "megatron-core's non-interleaved schedule raises ValueError with overlap_p2p_comm"
@@ -404,7 +403,7 @@ def megatron_refusal(schedule: str, pp: int, vpp: int, microbatches: int, overla
     return None
 
 
-def _check(schedule: str, pp: int, vpp: int, microbatches: int, mode: str, lanes: int, overlap: bool,
+def _check(schedule: str, pp: int, *, vpp: int, microbatches: int, mode: str, lanes: int, overlap: bool,
            eager_threshold: int, tensor_bytes: int, dtype: str) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -418,19 +417,19 @@ def _check(schedule: str, pp: int, vpp: int, microbatches: int, mode: str, lanes
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if lanes not in (1, 2):
-        raise ValueError(f"lanes must be 1 or 2, got {lanes!r}")
+    if lanes not in LANES:
+        raise ValueError(f"lanes must be 1 or {max(LANES)}, got {lanes!r}")
     if not isinstance(eager_threshold, int) or eager_threshold < 0:
         raise ValueError(f"eager_threshold must be an int >= 0, got {eager_threshold!r}")
     if not isinstance(tensor_bytes, int) or tensor_bytes < 1:
         raise ValueError(f"tensor_bytes must be an int >= 1, got {tensor_bytes!r}")
-    refusal = megatron_refusal(schedule, pp, vpp, microbatches, overlap)
+    refusal = megatron_refusal(schedule, pp, vpp=vpp, microbatches=microbatches, overlap=overlap)
     if refusal:
         raise ValueError(f"{schedule} pp={pp} vpp={vpp} microbatches={microbatches}: {refusal}")
 
 
 @functools.lru_cache(maxsize=1)
-def rank_calls(schedule: str, pp: int, vpp: int, microbatches: int, overlap: bool, variable: bool,
+def rank_calls(schedule: str, pp: int, *, vpp: int, microbatches: int, overlap: bool, variable: bool,
                tensor_bytes: int, dtype: str, lanes: int | None = None) -> tuple[list[RankCall], ...]:
     """Every rank's calls for one schedule shape; the same for every mode and lane count, except
     with variable_seq_lengths, whose steps are planned over `lanes`."""
@@ -440,9 +439,9 @@ def rank_calls(schedule: str, pp: int, vpp: int, microbatches: int, overlap: boo
         rank = Rank()
         p2p = _P2P(rank, stage, pp, variable, lanes)
         if schedule == "1f1b":
-            _one_f_one_b(p2p, stage, pp, microbatches, specs)
+            _one_f_one_b(p2p, stage, pp=pp, microbatches=microbatches, specs=specs)
         else:
-            _interleaved(p2p, stage, pp, vpp, microbatches, overlap, specs)
+            _interleaved(p2p, stage, pp=pp, vpp=vpp, microbatches=microbatches, overlap=overlap, specs=specs)
         out.append(rank.finish())
     return tuple(out)
 
@@ -469,11 +468,14 @@ def generate(schedule: str, pp: int, *, vpp: int = 1, microbatches: int | None =
     why megatron-core itself refuses the configuration."""
     if microbatches is None:
         microbatches = 2 * pp
-    _check(schedule, pp, vpp, microbatches, mode, lanes, overlap, eager_threshold, tensor_bytes, dtype)
+    _check(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, lanes=lanes, overlap=overlap,
+           eager_threshold=eager_threshold, tensor_bytes=tensor_bytes, dtype=dtype)
     if variable_seq_lengths or pp == 1:  # steps planned for the lane count, or self exchanges checked against it
-        return _build(schedule, pp, vpp, microbatches, mode, lanes, bool(overlap), bool(variable_seq_lengths),
-                      eager_threshold, tensor_bytes, dtype)
-    program = _built(schedule, pp, vpp, microbatches, mode, bool(overlap), eager_threshold, tensor_bytes, dtype)
+        return _build(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, lanes=lanes, overlap=bool(overlap),
+                      variable=bool(variable_seq_lengths), eager_threshold=eager_threshold,
+                      tensor_bytes=tensor_bytes, dtype=dtype)
+    program = _built(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, overlap=bool(overlap),
+                     eager_threshold=eager_threshold, tensor_bytes=tensor_bytes, dtype=dtype)
     if program.lanes == lanes:
         return program
     # The calls do not depend on the lane count: only the expansion into steps does.
@@ -482,16 +484,18 @@ def generate(schedule: str, pp: int, *, vpp: int = 1, microbatches: int | None =
 
 
 @functools.lru_cache(maxsize=1)
-def _built(schedule: str, pp: int, vpp: int, microbatches: int, mode: str, overlap: bool, eager_threshold: int,
+def _built(schedule: str, pp: int, *, vpp: int, microbatches: int, mode: str, overlap: bool, eager_threshold: int,
            tensor_bytes: int, dtype: str) -> Program:
-    return _build(schedule, pp, vpp, microbatches, mode, 2, overlap, False, eager_threshold, tensor_bytes, dtype)
+    return _build(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, lanes=2, overlap=overlap, variable=False,
+                  eager_threshold=eager_threshold, tensor_bytes=tensor_bytes, dtype=dtype)
 
 
-def _build(schedule: str, pp: int, vpp: int, microbatches: int, mode: str, lanes: int, overlap: bool,
+def _build(schedule: str, pp: int, *, vpp: int, microbatches: int, mode: str, lanes: int, overlap: bool,
            variable: bool, eager_threshold: int, tensor_bytes: int, dtype: str) -> Program:
     builder = ProgramBuilder(pp, lanes, eager_threshold)
     # Only the shape round's steps depend on the lane count; other calls fit every plan.
-    calls = rank_calls(schedule, pp, vpp, microbatches, overlap, variable, tensor_bytes, dtype, lanes if variable else None)
+    calls = rank_calls(schedule, pp, vpp=vpp, microbatches=microbatches, overlap=overlap, variable=variable,
+                       tensor_bytes=tensor_bytes, dtype=dtype, lanes=lanes if variable else None)
     for rank in range(pp):
         emit(builder, rank, calls[rank], mode)
     return builder.build()
@@ -516,11 +520,11 @@ def grid_configs(full: bool = True) -> list[dict[str, Any]]:
             schedule = "1f1b" if vpp == 1 else "interleaved"
             for overlap in ((False,) if vpp == 1 else (False, True)):
                 for microbatches in sorted({pp, 2 * pp, 4 * pp + 1}):
-                    refusal = megatron_refusal(schedule, pp, vpp, microbatches, overlap)
+                    refusal = megatron_refusal(schedule, pp, vpp=vpp, microbatches=microbatches, overlap=overlap)
                     for variable in variables:
                         # mode and lanes innermost: they reuse one cached call sequence
                         for mode in MODES:
-                            for lanes in (1, 2):
+                            for lanes in LANES:
                                 config = {"schedule": schedule, "pp": pp, "vpp": vpp, "microbatches": microbatches,
                                           "mode": mode, "lanes": lanes, "overlap": overlap,
                                           "variable_seq_lengths": variable}

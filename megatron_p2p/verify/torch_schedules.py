@@ -178,7 +178,7 @@ def _stages_of(name: str, pp: int, stages_per_rank: int) -> list[list[int]]:
     return [[r + pp * k for k in range(stages_per_rank)] for r in range(pp)]
 
 
-def check_config(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool,
+def check_config(name: str, pp: int, *, microbatches: int, stages_per_rank: int, defer_pp_recv: bool,
                  first_step: str, executor: str = "runtime") -> None:
     """ValueError naming a bad argument (configurations torch itself refuses are found by
     building the schedule)."""
@@ -205,7 +205,7 @@ def check_config(name: str, pp: int, microbatches: int, stages_per_rank: int, de
                          f"runs the runtime schedules {RUNTIME} without defer_pp_recv")
 
 
-def _schedule(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool, rank: int = 0,
+def _schedule(name: str, pp: int, *, microbatches: int, stages_per_rank: int, defer_pp_recv: bool, rank: int = 0,
               isend: Any = None, irecv: Any = None) -> tuple[Any, list[_Stage]]:
     """torch's schedule object for `rank`, over stand-in stages. ValueError carries torch's
     refusal of the configuration."""
@@ -314,23 +314,24 @@ def _translate(order: list[Any], stages: dict[int, _Stage], rank: TorchRank) -> 
 
 
 @functools.lru_cache(maxsize=1)
-def _lowered(name: str, pp: int, microbatches: int,
+def _lowered(name: str, pp: int, *, microbatches: int,
              stages_per_rank: int) -> tuple[dict[int, list[Any]], dict[int, int]]:
     """torch's lowered action lists (without defer_pp_recv) and its stage-to-rank mapping."""
-    sched, _ = _schedule(name, pp, microbatches, stages_per_rank, False)
+    sched, _ = _schedule(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank, defer_pp_recv=False)
     return sched.pipeline_order_with_comms, dict(sched.stage_index_to_group_rank)
 
 
 @functools.lru_cache(maxsize=4)
-def rank_calls(name: str, pp: int, microbatches: int, stages_per_rank: int, defer_pp_recv: bool,
-               first_step: str, executor: str = "runtime") -> tuple[list[TorchCall], ...]:
+def rank_calls(name: str, pp: int, *, microbatches: int, stages_per_rank: int, defer_pp_recv: bool = False,
+               first_step: str = "none", executor: str = "runtime") -> tuple[list[TorchCall], ...]:
     """Every rank's calls: generated from torch's action lists for the runtime classes,
     recorded from torch's own loop for GPipe and 1F1B and for the older executor."""
-    check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step, executor)
+    check_config(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank, defer_pp_recv=defer_pp_recv,
+                 first_step=first_step, executor=executor)
     if name not in RUNTIME or executor == "multi":
         return tuple(record_calls(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank,
                                   first_step=first_step, executor=executor))
-    orders, where = _lowered(name, pp, microbatches, stages_per_rank)
+    orders, where = _lowered(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank)
     if defer_pp_recv:  # what _prepare_schedule_with_comms does with defer_pp_recv=True
         from torch.distributed.pipelining import schedules as ts
 
@@ -391,12 +392,14 @@ def record_calls(name: str, pp: int, *, microbatches: int, stages_per_rank: int 
     the class's compute-only pipeline_order instead of _PipelineScheduleRuntime's."""
     from torch.distributed.pipelining import schedules as ts
 
-    check_config(name, pp, microbatches, stages_per_rank, defer_pp_recv, first_step, executor)
+    check_config(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank, defer_pp_recv=defer_pp_recv,
+                 first_step=first_step, executor=executor)
     out: list[list[TorchCall]] = []
     for r in range(pp):
         rank = TorchRank()
         with _recording(rank) as (isend, irecv):
-            sched, stages = _schedule(name, pp, microbatches, stages_per_rank, defer_pp_recv, r, isend, irecv)
+            sched, stages = _schedule(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank,
+                                      defer_pp_recv=defer_pp_recv, rank=r, isend=isend, irecv=irecv)
             _first_step(rank, stages, first_step)
             with mock.patch.object(type(sched), "_initialize_stage" if name in ("GPipe", "1F1B")
                                    else "_initialize_stages", lambda *a, **k: None):
@@ -436,7 +439,8 @@ def generate(name: str, pp: int, *, microbatches: int | None = None, stages_per_
         microbatches = 2 * pp if type(pp) is int else 0
     if stages_per_rank is None:
         stages_per_rank = default_stages_per_rank(name)
-    calls = rank_calls(name, pp, microbatches, stages_per_rank, bool(defer_pp_recv), first_step, executor)
+    calls = rank_calls(name, pp, microbatches=microbatches, stages_per_rank=stages_per_rank,
+                       defer_pp_recv=bool(defer_pp_recv), first_step=first_step, executor=executor)
     return build(calls, lazy_comms, eager_threshold)
 
 

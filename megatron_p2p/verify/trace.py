@@ -264,7 +264,7 @@ def dump_from_record(obj: Any, path: Path) -> Dump:
     rank = _field(obj, "rank", int, name, lambda v: v in ranks, f"not one of ranks {ranks}")
     where = f"{name} (rank {rank})"
     _field(obj, "group_rank", int, where, lambda v: v == ranks.index(rank), f"rank {rank} is group rank {ranks.index(rank)}")
-    _field(obj, "lanes", int, where, lambda v: v in (1, 2), "must be 1 or 2")
+    _field(obj, "lanes", int, where, lambda v: v in prog.LANES, f"must be 1 or {max(prog.LANES)}")
     _field(obj, "reason", str, where, lambda v: v in REASONS, f"must be one of {REASONS}")
     error = obj.get("error")
     if error is not None and not isinstance(error, str):
