@@ -14,7 +14,7 @@ from collections import defaultdict
 import pytest
 
 from megatron_p2p import schedules
-from megatron_p2p.program import Program, ProgramBuilder
+from megatron_p2p.program import MODES, Program, ProgramBuilder
 from megatron_p2p.schedules import Rank, generate, grid_configs, rank_calls
 
 TENSOR = 4096
@@ -56,7 +56,7 @@ PAIRING_CASES += [("interleaved", pp, vpp, m, ov, var) for pp in (2, 3, 4) for v
 def test_every_send_meets_a_receive_of_the_same_tensor(schedule, pp, vpp, microbatches, overlap, variable):
     """On every channel the k-th send and the k-th receive carry the same label, bytes and dtype,
     in both modes and lane counts: the generator knows which tensor each receive is for."""
-    for mode, lanes in itertools.product(schedules.MODES, (1, 2)):
+    for mode, lanes in itertools.product(MODES, (1, 2)):
         program = generate(schedule, pp, vpp=vpp, microbatches=microbatches, mode=mode, lanes=lanes,
                            overlap=overlap, variable_seq_lengths=variable)
         for key, (sends, recvs) in channels(program).items():
@@ -273,9 +273,9 @@ def without_labels(calls):
 
 
 AGREEMENT = [("1f1b", pp, 1, m, False, var, mode) for pp in (1, 2, 3, 4) for m in sorted({pp, 4 * pp + 1})
-             for var in (False, True) for mode in schedules.MODES]
+             for var in (False, True) for mode in MODES]
 AGREEMENT += [("interleaved", pp, vpp, m, ov, var, mode) for pp in (2, 3, 4) for vpp in (2, 3) for m in (pp, 2 * pp)
-              for ov in (False, True) for var in (False, True) for mode in schedules.MODES
+              for ov in (False, True) for var in (False, True) for mode in MODES
               if (pp + vpp + m + ov + var) % 2 == (mode == "batched")]  # each config once, modes alternating
 
 

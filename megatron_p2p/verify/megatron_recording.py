@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, p2p_communication
-from .program import Program, ProgramBuilder
-from .schedules import DEFAULT_TENSOR_BYTES, MODES, SCHEDULES, SLOTS, Rank, RankCall, emit, megatron_refusal
+from .program import MODES, SLOTS, Program, ProgramBuilder
+from .schedules import DEFAULT_TENSOR_BYTES, SCHEDULES, Rank, RankCall, emit, megatron_refusal
 
 if TYPE_CHECKING:
     from typing import TypeAlias

@@ -202,7 +202,8 @@ class ProgramBuilder:
         flags = _EXCHANGE_FLAGS.get((mode, wait))
         if flags is None:
             if mode not in MODES:
-                raise _fail("exchange.mode", rank, len(self._names[rank]), f"must be {' or '.join(map(repr, MODES))}, got {mode!r}")
+                raise _fail("exchange.mode", rank, len(self._names[rank]),
+                            f"must be {' or '.join(map(repr, MODES))}, got {mode!r}")
             flags = _EXCHANGE_FLAGS[mode, bool(wait)]
         packed_awaits = self._encode_awaits(rank, awaits, name) if awaits or type(name) is not str else ()
         labels = self._labels[rank]
