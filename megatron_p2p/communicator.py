@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import _C, flight_recorder, nccl, registry, watchdog
+from . import _C, _env, flight_recorder, nccl, registry, watchdog
 from .stall import StallWatch
 
 if TYPE_CHECKING:
@@ -29,6 +29,10 @@ if TYPE_CHECKING:
         peer_failed: Callable[[], str | None]
 
 BACKENDS = ("shm", "nccl", "auto")
+LANES = tuple(range(1, _C.MAX_LANES + 1))
+ENV_ARENA_BYTES = "MEGATRON_P2P_SHM_ARENA_BYTES"
+ENV_SINGLE_COPY = "MEGATRON_P2P_SHM_SINGLE_COPY"
+ENV_CHECK = "MEGATRON_P2P_CHECK"
 _STORE_PREFIX = "megatron_p2p"
 # Creation polls the store for the other ranks' keys, backing off to this period, so that Ctrl-C (any
 # Python signal handler) gets a turn while it waits. (A timed-out store.wait() logs a warning.)
@@ -37,30 +41,15 @@ _log = logging.getLogger(__name__)
 _told_no_single_copy = False
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
-
-
 def _arena_bytes(given: int | None) -> int:
     """The arena size an shm communicator gets: `given`, else $MEGATRON_P2P_SHM_ARENA_BYTES, else
     the default; an error names where a wrong value came from."""
-    source, value = "arena_bytes", given
     if given is None:
-        source, env = "$MEGATRON_P2P_SHM_ARENA_BYTES", os.environ.get("MEGATRON_P2P_SHM_ARENA_BYTES")
-        try:
-            value = _C.DEFAULT_ARENA_BYTES if env is None else int(env)
-        except ValueError:
-            raise ValueError(f"{source} must be a number of bytes, got {env!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _C.MAX_ARENA_BYTES:
-        raise ValueError(f"{source} must be an int in [0, {_C.MAX_ARENA_BYTES}], got {value!r}")
-    return value
+        return _env.nbytes(ENV_ARENA_BYTES)
+    # Checked here, not only by the C binding: its unsigned conversion wraps -1 and takes True.
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= _C.MAX_ARENA_BYTES:
+        raise ValueError(f"arena_bytes must be an int in [0, {_C.MAX_ARENA_BYTES}], got {given!r}")
+    return given
 
 
 def _store_and_ranks(group: dist.ProcessGroup | None) -> tuple[Store, int, list[int]]:
@@ -149,12 +138,15 @@ def init_communicator(
         handed out take room in /dev/shm. None: $MEGATRON_P2P_SHM_ARENA_BYTES, else 1 GiB;
         0: no arena.
     """
+    # These are checked before the collective part, although _C.Communicator checks most of them too
+    # (in the same words where it does): a wrong argument must fail on the rank that passed it, at
+    # once, not after this rank has joined the rendezvous that its peers then wait in.
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if lanes not in (1, 2):
-        raise ValueError(f"lanes must be 1 or 2, got {lanes!r}")
+    if lanes not in LANES:
+        raise ValueError(f"lanes must be 1 (one ordered queue) or {_C.MAX_LANES} (one per direction), got {lanes!r}")
     if not isinstance(eager_threshold, int) or not 0 <= eager_threshold <= _C.MAX_EAGER_THRESHOLD:
         raise ValueError(f"eager_threshold must be an int in [0, {_C.MAX_EAGER_THRESHOLD}], got {eager_threshold!r}")
     if arena_bytes is not None:
@@ -165,15 +157,18 @@ def init_communicator(
         backend = "nccl" if dev.type == "cuda" else "shm"
     if backend == "nccl":
         if eager_threshold:
-            raise ValueError("eager_threshold is an shm option; NCCL decides its own buffering")
+            raise ValueError("eager_threshold is a property of the shm backend; NCCL decides its own buffering")
         if arena_bytes:
-            raise ValueError("arena_bytes is an shm option; NCCL receives into device memory")
+            raise ValueError("arena_bytes is a property of the shm backend: NCCL receives into device memory")
         dev = nccl.require_gpu(dev)
         nccl.nccl_version()  # loads libnccl, or says why it cannot
     elif dev.type != "cpu":
         raise ValueError(f"backend 'shm' carries CPU tensors; device {dev} needs backend 'nccl' or 'auto'")
     else:
         shm_arena_bytes = _arena_bytes(arena_bytes)
+    # Each backend's variable, read before the collective part too: a wrong value fails here.
+    single_copy = backend == "shm" and _env.flag(ENV_SINGLE_COPY)
+    check = backend == "nccl" and _env.flag(ENV_CHECK)
 
     store, me, ranks = _store_and_ranks(group)
     group_rank = ranks.index(me)
@@ -205,7 +200,7 @@ def init_communicator(
         if backend == "shm":
             comm = _C.Communicator(
                 "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
-                single_copy=_env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True), pids=pids, arena_bytes=shm_arena_bytes,
+                single_copy=single_copy, pids=pids, arena_bytes=shm_arena_bytes,
                 **common,
             )
         else:
@@ -219,12 +214,12 @@ def init_communicator(
                 comm = _C.Communicator(
                     "nccl", unique_id, group_rank, ranks, device=dev.index, stream=nccl.stream_handle(dev.index),
                     high_priority=high_priority, on_abort=relay.publish,
-                    check=_env_flag("MEGATRON_P2P_CHECK", False), **common,
+                    check=check, **common,
                 )
     except BaseException as e:
         failures.publish(e)
         raise
-    if backend == "shm" and _env_flag("MEGATRON_P2P_SHM_SINGLE_COPY", True):
+    if backend == "shm" and single_copy:
         _tell_if_no_single_copy(comm, ranks)
     if backend == "nccl":
         watchdog.watch(comm, relay, peers, stall)

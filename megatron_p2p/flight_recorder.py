@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import registry
+from . import _env, registry
 
 ENV = "MEGATRON_P2P_TRACE_DIR"
 FORMAT = "megatron_p2p.trace/1"
@@ -35,27 +35,14 @@ _previous_sigusr1: Any = None
 def trace_dir() -> Path | None:
     """The dump directory named by MEGATRON_P2P_TRACE_DIR (created if missing), or None when
     the variable is unset or empty. Raises ValueError naming the variable when it cannot be used."""
-    value = os.environ.get(ENV, "")
-    if not value:
-        return None
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{ENV}={value!r}: not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{ENV}={value!r}: cannot create the directory ({exc.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{ENV}={value!r}: the directory is not writable")
-    return path
+    return _env.directory(ENV)
 
 
 def install(comm: Any) -> None:
     """Makes `comm` dump its flight recorder on P2PError, at exit and on SIGUSR1 when
     MEGATRON_P2P_TRACE_DIR is set; does nothing otherwise."""
-    if not os.environ.get(ENV):
+    if trace_dir() is None:  # a bad directory fails here, not in an error path later
         return
-    trace_dir()  # a bad directory fails here, not in an error path later
     ref = weakref.ref(comm)  # comm.on_error holding comm itself would be a cycle through the C type
 
     def on_error(exc: BaseException) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _env
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store  # torch.distributed does not re-export it
@@ -62,7 +62,7 @@ def nccl_version() -> NcclVersion:
     Warns when torch reports a different NCCL: two copies in one process cannot share
     communicators.
     """
-    code, path, source = _C.nccl_load(os.environ.get(ENV_LIBRARY) or None, bundled_libraries())
+    code, path, source = _C.nccl_load(_env.path(ENV_LIBRARY), bundled_libraries())
     found = NcclVersion(_split(code), code, path, source)
     torch_version = _torch_nccl_version()
     if torch_version is not None and torch_version != found.version:

@@ -94,13 +94,14 @@ def _peer(comm: Communicator, peer: int | None, group_peer: int | None, names: t
 
 
 def _group_rank(comm: Communicator, peer: int, name: str) -> int:
-    """`peer`'s rank within the communicator's group."""
+    """`peer`'s rank within the communicator's group. P2POp needs it when it is made (torch's code
+    reads its group_peer), before the communicator's own check of the peer: in that check's words."""
     try:
         return list(comm.ranks).index(operator.index(peer))
     except TypeError:
-        raise TypeError(f"{name} must be an int (a global rank), not {type(peer).__name__}") from None
+        raise TypeError(f"{name} must be an int global rank, not {type(peer).__name__}") from None
     except ValueError:
-        raise ValueError(f"{name}={peer} is not a rank of the group (global ranks {list(comm.ranks)})") from None
+        raise ValueError(f"{name} = {peer} is not a rank of this communicator (global ranks {list(comm.ranks)})") from None
 
 
 def isend(
@@ -177,7 +178,7 @@ class P2POp:
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Request]:
     """Posts every op as one group: they progress together, so their order cannot deadlock.
     Returns one Request per op, in list order."""
-    if not p2p_op_list:
+    if not p2p_op_list:  # here, not left to comm.batch(): the communicator is found from the first op
         raise ValueError("batch_isend_irecv needs at least one P2POp")
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-SENDS = ("send_next", "send_prev")
-RECVS = ("recv_prev", "recv_next")
+from . import _C
+
+SENDS = tuple(s for s in _C.SLOT_NAMES if s.startswith("send_"))  # the C core's slot names
+RECVS = tuple(s for s in _C.SLOT_NAMES if s.startswith("recv_"))
 
 
 def round_steps(plan: Sequence[tuple[int, Sequence[str]]]) -> Iterator[tuple[bool, int, list[tuple[str, bool]]]]:

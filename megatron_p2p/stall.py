@@ -19,13 +19,12 @@ at different moments agree. Nothing of this runs on the posting path.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import flight_recorder
+from . import _env, flight_recorder
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     from .verify import trace
 
 ENV_SECONDS = "MEGATRON_P2P_STALL_SECONDS"
-DEFAULT_SECONDS = 1.0
+DEFAULT_SECONDS = float(str(_env.BY_NAME[ENV_SECONDS].default))  # the table's: 1
 STABLE_BEATS = 3  # polls a record must stay unchanged for (the watchdog polls every 0.1 s)
 ANALYSE_EVERY = 10  # polls between analyses once a stall has lasted that long: the store's load
 _UNFINISHED = ("posted", "matched")
@@ -43,16 +42,7 @@ _UNFINISHED = ("posted", "matched")
 
 def stall_seconds() -> float:
     """MEGATRON_P2P_STALL_SECONDS, or the default; ValueError names a wrong value."""
-    value = os.environ.get(ENV_SECONDS, "")
-    if not value:
-        return DEFAULT_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{ENV_SECONDS}={value!r}: expected a positive number of seconds")
-    return seconds
+    return _env.seconds(ENV_SECONDS)
 
 
 def stalled_for(ops: list[dict[str, Any]], now: float) -> float:

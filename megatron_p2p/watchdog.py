@@ -40,11 +40,11 @@ import weakref
 
 import torch.distributed as dist
 
-from . import _C, flight_recorder, nccl, registry
+from . import _C, _env, flight_recorder, nccl, registry
 from .stall import StallWatch
 
 ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
-HANDLINGS = ("end", "raise")
+HANDLINGS = _env.BY_NAME[ENV_HANDLING].choices  # ("end", "raise")
 POLL_SECONDS = 0.1
 EXIT_JOIN_SECONDS = 5.0  # bounds the exit on a store call that blocks (one poll takes microseconds)
 EXIT_STATUS = os.EX_SOFTWARE  # 70: what torchrun reports for the rank that ended the job
@@ -55,11 +55,9 @@ _log = logging.getLogger(__name__)
 def handling() -> str:
     """What a watchdog finding does to the process: MEGATRON_P2P_ASYNC_ERROR_HANDLING, or its
     default ("end" under torchrun, "raise" otherwise). ValueError names a wrong value."""
-    value = os.environ.get(ENV_HANDLING, "")
-    if not value:
+    value = _env.choice(ENV_HANDLING)
+    if value is None:
         return "end" if os.environ.get("TORCHELASTIC_RUN_ID") else "raise"
-    if value not in HANDLINGS:
-        raise ValueError(f"{ENV_HANDLING}={value!r}: expected one of {', '.join(HANDLINGS)}")
     return value
 
 

@@ -513,7 +513,7 @@ def test_install_without_the_variable_changes_nothing(monkeypatch):
 def test_install_with_a_file_for_directory_names_the_variable(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     monkeypatch.setenv(flight_recorder.ENV, str(tmp_path / "file"))
-    with pytest.raises(ValueError, match=f"{flight_recorder.ENV}=.*: not a directory"):
+    with pytest.raises(ValueError, match=f"{flight_recorder.ENV}=.*: expected a directory .*\\(not a directory\\)"):
         flight_recorder.install(FakeComm([]))
 
 
@@ -522,7 +522,7 @@ def test_install_with_a_read_only_directory_names_the_variable(tmp_path, monkeyp
     tmp_path.chmod(0o500)
     monkeypatch.setenv(flight_recorder.ENV, str(tmp_path))
     try:
-        with pytest.raises(ValueError, match=f"{flight_recorder.ENV}=.*: the directory is not writable"):
+        with pytest.raises(ValueError, match=f"{flight_recorder.ENV}=.*: expected a directory .*\\(it is not writable\\)"):
             flight_recorder.install(FakeComm([]))
     finally:
         tmp_path.chmod(0o700)

@@ -204,10 +204,10 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
     if (!is_nccl && !is_local && strcmp(backend, "shm") != 0)
         return PyErr_Format(PyExc_ValueError, "backend must be 'shm' or 'nccl', got '%s'", backend);
     if (lanes < 1 || lanes > MP_MAX_LANES)
-        return PyErr_Format(PyExc_ValueError, "lanes must be 1 (one ordered queue) or 2 (one per direction), got %d",
-                            lanes);
+        return PyErr_Format(PyExc_ValueError, "lanes must be 1 (one ordered queue) or %d (one per direction), got %d",
+                            MP_MAX_LANES, lanes);
     if (eager > MP_SHM_MAX_EAGER)
-        return PyErr_Format(PyExc_ValueError, "eager_threshold must be at most %u bytes, got %llu", MP_SHM_MAX_EAGER,
+        return PyErr_Format(PyExc_ValueError, "eager_threshold must be an int in [0, %u], got %llu", MP_SHM_MAX_EAGER,
                             eager);
     if (is_nccl && eager)
         return PyErr_Format(PyExc_ValueError, "eager_threshold is a property of the shm backend; NCCL decides "
@@ -226,7 +226,7 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
         return PyErr_Format(PyExc_ValueError, "arena_bytes is a property of the shm backend: NCCL receives into "
                             "device memory");
     if (arena_bytes > MP_ARENA_MAX_BYTES)
-        return PyErr_Format(PyExc_ValueError, "arena_bytes must be at most %llu (64 GiB), got %llu",
+        return PyErr_Format(PyExc_ValueError, "arena_bytes must be an int in [0, %llu], got %llu",
                             MP_ARENA_MAX_BYTES, arena_bytes);
     if (check && !is_nccl)
         return PyErr_Format(PyExc_ValueError, "check (debug matching) is for backend 'nccl'; shm always compares "

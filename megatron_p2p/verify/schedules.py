@@ -45,8 +45,7 @@ if TYPE_CHECKING:
     _Handle: TypeAlias = tuple[int, str | int]  # (call, slot) of an exchange, (call, op index) of a step
 
 SCHEDULES = ("1f1b", "interleaved")
-SENDS = tuple(s for s in SLOTS if s.startswith("send_"))  # SLOTS and MODES: the C core's (program.py)
-RECVS = tuple(s for s in SLOTS if s.startswith("recv_"))
+SENDS, RECVS = shape_headers.SENDS, shape_headers.RECVS  # from the C core's slot names, as SLOTS
 DEFAULT_TENSOR_BYTES = 4096
 SHAPE_ROUND = HEADER_CALL
 HEADER = (HEADER_BYTES, "int64")  # the shape round's message: int64 words
