@@ -53,6 +53,7 @@ from ._C import (
     PeerFailureError,
     Request,
 )
+from ._version import __version__
 from .communicator import init_communicator
 from .megatron_patch import patch_megatron, unpatch_megatron
 from .nccl import NcclVersion, nccl_version
@@ -98,4 +99,5 @@ __all__ = [
     "send_object_list",
     "unpatch_megatron",
     "unpatch_pipelining",
+    "__version__",
 ]

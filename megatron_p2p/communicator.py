@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import _C, _env, flight_recorder, nccl, registry, watchdog
-from .stall import StallWatch
+from . import _C, _env, _registry, _watchdog, flight_recorder, nccl
+from ._stall import StallWatch
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -222,8 +222,8 @@ def init_communicator(
     if backend == "shm" and single_copy:
         _tell_if_no_single_copy(comm, ranks)
     if backend == "nccl":
-        watchdog.watch(comm, relay, peers, stall)
-    registry.add(comm)
+        _watchdog.watch(comm, relay, peers, stall)
+    _registry.add(comm)
     flight_recorder.install(comm)
     return comm
 
@@ -277,8 +277,8 @@ def _tell_if_no_single_copy(comm: _C.Communicator, ranks: list[int]) -> None:
 
 def _close_live() -> None:
     # A rank that exits with its communicator closed is not reported to its peers as dead.
-    for comm in registry.live():
+    for comm in _registry.live():
         comm.close()
 
 
-registry.at_exit(registry.EXIT_CLOSE, _close_live)
+_registry.at_exit(_registry.EXIT_CLOSE, _close_live)

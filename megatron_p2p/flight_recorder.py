@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import _env, registry
+from . import _env, _registry
 
 ENV = "MEGATRON_P2P_TRACE_DIR"
 FORMAT = "megatron_p2p.trace/1"
@@ -51,7 +51,7 @@ def install(comm: Any) -> None:
             _last_error[target.id] = f"{type(exc).__name__}: {exc}"
             dump(target, "error")
 
-    if not registry.keep_to_exit(comm):  # kept, so that one closed and dropped early gets its exit dump
+    if not _registry.keep_to_exit(comm):  # kept, so that one closed and dropped early gets its exit dump
         return
     comm.on_error = on_error
     _install_hooks()
@@ -81,7 +81,7 @@ def dump(comm: Any, reason: str, error: str | None = None) -> Path | None:
 
 def dump_all(reason: str) -> list[Path]:
     """Dumps every communicator installed in this process; returns the files written."""
-    return [p for p in (dump(c, reason) for c in registry.kept_to_exit()) if p is not None]
+    return [p for p in (dump(c, reason) for c in _registry.kept_to_exit()) if p is not None]
 
 
 def to_record(comm: Any, reason: str, error: str | None = None) -> dict[str, Any]:
@@ -120,7 +120,7 @@ def _install_hooks() -> None:
         if _hooks_installed:
             return
         _hooks_installed = True
-    registry.at_exit(registry.EXIT_DUMP, lambda: dump_all("exit"))  # before the closes
+    _registry.at_exit(_registry.EXIT_DUMP, lambda: dump_all("exit"))  # before the closes
     try:
         _previous_sigusr1 = signal.signal(signal.SIGUSR1, _on_sigusr1)
     except ValueError:  # not the main thread: Python handlers can only be set from there

@@ -1,5 +1,5 @@
 """torch.distributed-style ops over megatron_p2p communicators, and how code which passes a
-process group (or nothing) finds its communicator (from registry.py's live ones).
+process group (or nothing) finds its communicator (from _registry.py's live ones).
 
 Communicators are never created here: creation is collective, and creating them lazily at
 first use lets ranks reach it in different orders and hang (Megatron-LM PR #5240). Create one
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C, registry
+from . import _C, _registry
 
 Request = _C.Request
 Communicator = _C.Communicator
@@ -35,17 +35,17 @@ def register_communicator(comm: Communicator) -> Communicator:
     it alive until it is closed or replaced. Returns `comm`."""
     if not isinstance(comm, Communicator):
         raise TypeError(f"register_communicator takes a megatron_p2p Communicator, not {type(comm).__name__}")
-    registry.name(comm)
+    _registry.name(comm)
     return comm
 
 
 def find_communicator(ranks: tuple[int, ...]) -> Communicator | None:
     """The open communicator over exactly `ranks`: the registered one, else the only live one
     that `init_communicator` made; None if there is none. Several unregistered ones: an error."""
-    comm = registry.named(ranks)
+    comm = _registry.named(ranks)
     if comm is not None:
         return comm
-    live = [c for c in registry.live() if not c.closed and tuple(c.ranks) == ranks]
+    live = [c for c in _registry.live() if not c.closed and tuple(c.ranks) == ranks]
     if len(live) > 1:
         raise RuntimeError(
             f"{len(live)} open megatron_p2p communicators span global ranks {list(ranks)}; choose one with "
@@ -163,9 +163,11 @@ class P2POp:
         self.is_send = _is_send_op(op)
         self.op = op
         self.tensor = tensor
-        self.group = group
         self.tag = tag
         self.comm = _resolve(group, comm, tag, "P2POp")
+        # The default group when none is given, as torch's P2POp fills it: torch's own code reads
+        # its group (pipelining's _batch_p2p takes op.group.group_name).
+        self.group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
         self.peer = _peer(self.comm, peer, group_peer, ("peer", "group_peer"))
         # Filled as torch's is: torch's own code passes it on as group_dst= / group_src=.
         self.group_peer = _group_rank(self.comm, self.peer, "peer") if group_peer is None else group_peer

@@ -12,7 +12,7 @@ What differs from megatron-core, on purpose:
 - activations and gradients never cross, also with 2 pipeline ranks (its batched order and its
   shape exchange swap them there);
 - with variable sequence lengths each shape header travels in the exchange's own steps, right
-  ahead of its tensor (shape_headers.py), so the schedules need no buffering; the exchange is
+  ahead of its tensor (_shape_headers.py), so the schedules need no buffering; the exchange is
   then issued in parity order whatever the mode, with no device-wide synchronize, and the header
   announces the dtype, so a disagreement raises MismatchError naming both ranks instead of
   reinterpreting bytes;
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, List, Protocol, Union, cast  # noqa: UP03
 import torch
 import torch.distributed as dist
 
-from . import _C, shape_headers
+from . import _C, _shape_headers
 from .communicator import init_communicator
 from .ops import find_communicator, get_communicator, group_ranks, register_communicator
 
@@ -91,7 +91,7 @@ SLOTS = _C.SLOT_NAMES
 # Shape header of the variable-sequence-length exchange: ndim, up to _MAX_DIMS sizes, dtype code.
 _MAX_DIMS = 6
 _HEADER_WORDS = _MAX_DIMS + 2
-# The shape round's message (shape_headers.py says how it travels).
+# The shape round's message (_shape_headers.py says how it travels).
 HEADER_BYTES = _HEADER_WORDS * 8
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -355,7 +355,7 @@ class P2PCommunicator:
     def _exchange_with_headers(
         self, sends: dict[str, torch.Tensor], recvs: tuple[str, ...], allocate: Any | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, RequestLike], list[RequestLike]]:
-        """Posts an exchange step by step with its shape headers (shape_headers.round_steps): the
+        """Posts an exchange step by step with its shape headers (_shape_headers.round_steps): the
         parity plan's steps, each send preceded by its header, each step with receives by their
         headers' receives, waited for. allocate(slot, header) makes a receive's buffer; without
         it only the headers travel. Returns (headers received, buffers, {slot: data request},
@@ -370,7 +370,7 @@ class P2PCommunicator:
         buffers: dict[str, torch.Tensor] = {}
         reqs: dict[str, RequestLike] = {}
         header_sends: list[RequestLike] = []
-        for header_step, lane, ops in shape_headers.round_steps(plan):
+        for header_step, lane, ops in _shape_headers.round_steps(plan):
             if header_step:
                 got = {s: torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._device()) for s, _ in ops}
                 for r in self.comm.batch([(False, got[s], peers[s]) for s, _ in ops], lane=lane, call=HEADER_CALL):
@@ -411,7 +411,7 @@ class P2PCommunicator:
                             recv_prev: bool, recv_next: bool) -> tuple[list[int], list[int]]:
         """megatron-core's shape exchange: returns (recv_prev_shape, recv_next_shape), each the
         peer's tensor shape as a list, or [0, 0, 0] where nothing is received. Runs in the
-        shape round's parity order (shape_headers.py), with no device-wide synchronize."""
+        shape round's parity order (_shape_headers.py), with no device-wide synchronize."""
         got, _, _, header_sends = self._exchange_with_headers(*_slots(tensor_send_next, tensor_send_prev, recv_prev,
                                                                         recv_next))
         for r in header_sends:

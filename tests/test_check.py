@@ -256,7 +256,7 @@ def test_reduced_grid_prints_a_table_and_a_total(capsys):
 
 
 def test_reduced_grid_with_variable_seq_lengths_completes_under_strict_rendezvous():
-    """P2PCommunicator's shape round (shape_headers.py), in both modes and lane counts, with no
+    """P2PCommunicator's shape round (_shape_headers.py), in both modes and lane counts, with no
     send buffered; megatron-core's own round deadlocks (test_megatron_core_shape_round_deadlocks_
     under_rendezvous)."""
     from megatron_p2p.schedules import generate

@@ -146,19 +146,19 @@ def test_the_path_reader_leaves_the_check_to_the_loader(monkeypatch):
 
 
 def test_the_package_reads_through_the_table(monkeypatch):
-    """The readers the modules kept (stall_seconds, watchdog.handling, flight_recorder.trace_dir)
+    """The readers the modules kept (stall_seconds, _watchdog.handling, flight_recorder.trace_dir)
     are the table's."""
-    from megatron_p2p import flight_recorder, stall, watchdog
+    from megatron_p2p import _stall, _watchdog, flight_recorder
 
     monkeypatch.setenv("MEGATRON_P2P_STALL_SECONDS", "0")
     with pytest.raises(ValueError, match=re.escape("$MEGATRON_P2P_STALL_SECONDS='0'")):
-        stall.stall_seconds()
+        _stall.stall_seconds()
     monkeypatch.delenv("MEGATRON_P2P_STALL_SECONDS")
-    assert stall.stall_seconds() == stall.DEFAULT_SECONDS == 1.0
+    assert _stall.stall_seconds() == _stall.DEFAULT_SECONDS == 1.0
     monkeypatch.setenv("MEGATRON_P2P_ASYNC_ERROR_HANDLING", "")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert watchdog.handling() == "raise"
+    assert _watchdog.handling() == "raise"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-    assert watchdog.handling() == "end"
+    assert _watchdog.handling() == "end"
     monkeypatch.delenv("MEGATRON_P2P_TRACE_DIR", raising=False)
     assert flight_recorder.trace_dir() is None

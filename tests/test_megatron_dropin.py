@@ -235,7 +235,7 @@ def test_shape_headers_ride_ahead_of_their_tensors_in_parity_order_without_devic
     """megatron-core's shape exchange always batches and then synchronizes the device, whatever
     batch_p2p_comm says. Ours issues the exchange step by step in parity order in both modes,
     each send after its header and each receive after its header's receive
-    (shape_headers.round_steps), and never synchronizes on CPU."""
+    (_shape_headers.round_steps), and never synchronizes on CPU."""
     for rank, res in enumerate(section(job, "modes")):
         mc, mine = res[mode]["megatron"], res[mode]["ours"]
         assert mc["calls"]["batch_isend_irecv"] >= 1 and mc["synchronize"] >= 1

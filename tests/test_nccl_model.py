@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, WORKERS, run_job
 
-from megatron_p2p import stall
+from megatron_p2p import _stall
 
 FAKES = ROOT / "build" / "fakes"
 FAKE_ENV = {
@@ -697,7 +697,7 @@ def test_a_launch_connecting_to_a_peer_that_posts_late_delivers():
     assert ranks[2]["exact"] and [r["unsafe_aborts"] for r in ranks] == [0] * 4, ranks
 
 
-# ---- deadlocks named on NCCL (megatron_p2p/stall.py) ---------------------------------------------
+# ---- deadlocks named on NCCL (megatron_p2p/_stall.py) ---------------------------------------------
 
 # NCCL may buffer a send of up to Communicator.buffered_at_most bytes (csrc/nccl/nccl_buffering.c),
 # and the analysis names only cycles that no buffering resolves. NCCL's defaults allow 256 MiB
@@ -709,7 +709,7 @@ ABOVE_BOUND = 1 << 20  # floats: 4 MiB
 BUFFERED = {"MPFAKE_NCCL_EAGER_BYTES": "4096"}  # the model's buffering of NCCL's, for sends of 1 KiB
 # The stall window: a case meant to be left unreported lasts at least twice it, so that the
 # analysis has run on it several times, whatever the load.
-STALL_S = stall.DEFAULT_SECONDS
+STALL_S = _stall.DEFAULT_SECONDS
 STALL_CASES = {  # one 3-rank job runs them all, in this order (workers/nccl_model_stall.py)
     "ring": {"case": "ring", "timeout": 300.0, "numel": ABOVE_BOUND},
     "ring_buffered": {"case": "ring", "timeout": 30.0, "numel": 256, "env": BUFFERED},
@@ -782,17 +782,17 @@ def test_a_slow_transfer_is_not_reported(stalls):
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "nan"])
 def test_a_stall_window_that_is_not_a_positive_number_is_an_error_naming_the_variable(monkeypatch, value):
-    from megatron_p2p import stall
+    from megatron_p2p import _stall
 
-    monkeypatch.setenv(stall.ENV_SECONDS, value)
+    monkeypatch.setenv(_stall.ENV_SECONDS, value)
     with pytest.raises(ValueError, match=f"MEGATRON_P2P_STALL_SECONDS={value!r}"):
-        stall.stall_seconds()
+        _stall.stall_seconds()
 
 
 def test_a_positive_stall_window_is_taken_and_unset_is_one_second(monkeypatch):
-    from megatron_p2p import stall
+    from megatron_p2p import _stall
 
-    monkeypatch.setenv(stall.ENV_SECONDS, "2.5")
-    assert stall.stall_seconds() == 2.5
-    monkeypatch.delenv(stall.ENV_SECONDS)
-    assert stall.stall_seconds() == 1.0
+    monkeypatch.setenv(_stall.ENV_SECONDS, "2.5")
+    assert _stall.stall_seconds() == 2.5
+    monkeypatch.delenv(_stall.ENV_SECONDS)
+    assert _stall.stall_seconds() == 1.0

@@ -55,7 +55,7 @@ PIPELINE_SIZES = (2, 3, 4)  # on the last `size` ranks, as sched_pipeline.py lay
 MEGATRON_TIMEOUT = 3.0  # ours in megatron-core's schedules: their waits take milliseconds
 # Its sends are larger than NCCL may buffer (STALL_ENV bounds that at 1 MiB): only then is the cycle certain.
 NAIVE_RING = {"ranks": [0, 1, 2], "numel": ABOVE_BOUND, "timeout": 30.0}
-NAMED_WITHIN = 3.0  # a stall of MEGATRON_P2P_STALL_SECONDS (1 s), then the analysis (megatron_p2p/stall.py)
+NAMED_WITHIN = 3.0  # a stall of MEGATRON_P2P_STALL_SECONDS (1 s), then the analysis (megatron_p2p/_stall.py)
 
 PARAMS: dict[str, Any] = {
     "matching": {"suite": WORLD_SUITE, "partitions": [{"groups": g, "suite": PARTITION_SUITE} for g in PARTITIONS]},
@@ -281,7 +281,7 @@ def test_megatron_schedule_over_ours_gives_bitwise_the_one_process_losses_and_gr
     model): losses and every gradient equal, bit for bit, those of the same model run in one
     process, the comparison test_megatron_dropin.py makes on shm (where they also equal
     megatron-core's own communicator's). The model buffers nothing, so the variable_seq_lengths
-    schedules complete because the shape headers ride ahead of their tensors (shape_headers.py);
+    schedules complete because the shape headers ride ahead of their tensors (_shape_headers.py);
     megatron-core's own round deadlocks there (programs/megatron_shape_round_pp2.json)."""
     for rank, runs in enumerate(schedule_runs(megatron, name)):
         assert runs["reference"]["ok"] and runs["swapped"]["ok"], (rank, runs["swapped"].get("traceback"))

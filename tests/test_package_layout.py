@@ -49,6 +49,22 @@ def test_a_tools_command_runs_from_its_old_and_its_new_path(where, command):
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
 
 
+# The modules a user may import by name; every other module of the package starts with an
+# underscore (torch.distributed.pipelining's rule), so a new module is private unless added here.
+PUBLIC_MODULES = {
+    "communicator", "ops", "nccl", "megatron_patch", "pipelining_patch",  # what __init__ re-exports
+    "flight_recorder",  # the dumps `trace` reads
+    "p2p_communication",  # megatron-core's module path
+    "demo",  # python -m megatron_p2p.demo
+    "verify", *TOOLS,  # the verification tools and their old paths
+}
+
+
+def test_every_module_is_public_by_name_or_private_by_its_underscore():
+    names = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert {n for n in names if not n.startswith("_")} == PUBLIC_MODULES
+
+
 def module_imports(path: Path, root: Path) -> set[str]:
     """The modules (and names, which may be modules) of the package at `root` that `path` imports
     when it is loaded: module-level imports, not those under `if TYPE_CHECKING:` nor in functions."""

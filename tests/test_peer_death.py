@@ -1,5 +1,5 @@
 """A dead peer on the NCCL backend is reported within a poll of the watchdog, not at the timeout
-(megatron_p2p/watchdog.py, nccl.PeerWatch), over the fake libcuda and libnccl: a peer on this
+(megatron_p2p/_watchdog.py, nccl.PeerWatch), over the fake libcuda and libnccl: a peer on this
 machine whose process is gone, or the store's host gone, fails this rank's pending ops and later
 calls naming the rank, while a slow peer, or a finished job whose processes exit in any order,
 is never reported. Every job runs with a communicator timeout of 60 s (tests/workers/nccl_peer_death.py)."""

@@ -113,6 +113,7 @@ def test_p2pop_fills_group_peer_and_ops_take_group_dst_and_group_src(jobs):
     for rank, res in enumerate(jobs[2]):
         p = res["peers"]
         assert p["group_peer_filled"] == [1 - rank, 1 - rank]
+        assert p["group_filled"] == [True, True]  # the default group when none is given; a given one kept
         assert p["not_a_member"]["type"] == "ValueError", p["not_a_member"]
         assert "peer = 5 is not a rank of this communicator" in p["not_a_member"]["msg"], p["not_a_member"]
         assert p["group_dst_src"] == [float(1 - rank)] * 3

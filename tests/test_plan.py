@@ -269,7 +269,7 @@ def test_plan_rejects_unknown_modes_and_ops():
 
 def test_the_c_core_exports_its_slot_and_mode_names_and_the_lane_maximum():
     """One table each, in C (csrc/core/plan.c), in enum order; the Python modules read them."""
-    from megatron_p2p import p2p_communication, shape_headers
+    from megatron_p2p import _shape_headers, p2p_communication
     from megatron_p2p.verify import program
 
     assert _C.SLOT_NAMES == ALL_OPS
@@ -278,6 +278,6 @@ def test_the_c_core_exports_its_slot_and_mode_names_and_the_lane_maximum():
     assert program.SLOTS is p2p_communication.SLOTS is _C.SLOT_NAMES
     assert program.MODES is p2p_communication.MODES is _C.MODE_NAMES
     assert program.LANES == (1, 2)
-    assert (shape_headers.SENDS, shape_headers.RECVS) == (("send_next", "send_prev"), ("recv_prev", "recv_next"))
+    assert (_shape_headers.SENDS, _shape_headers.RECVS) == (("send_next", "send_prev"), ("recv_prev", "recv_next"))
     assert program._SLOT_IS_SEND == (True, False, True, False)
     assert program._SLOT_IS_NEXT == (True, False, False, True)

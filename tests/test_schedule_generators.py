@@ -138,7 +138,7 @@ HEADER_OP = schedules.HEADER[:2]
 def test_variable_seq_lengths_sends_each_header_right_ahead_of_its_tensor(lanes):
     """Every call is one step; each data send follows its header in the step; each step with
     data receives follows, on its lane, a step of their headers' receives that is waited for
-    before the data step is posted (shape_headers.round_steps)."""
+    before the data step is posted (_shape_headers.round_steps)."""
     for stage, calls in enumerate(calls_of("interleaved", 4, vpp=2, microbatches=8, variable=True, lanes=lanes)):
         waited: set[int] = set()
         for index, (name, kind, (lane, ops), _, _, wait, awaits) in enumerate(calls):

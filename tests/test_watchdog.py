@@ -1,4 +1,4 @@
-"""The NCCL backend's watchdog (megatron_p2p/watchdog.py), over the fake libcuda and libnccl: an
+"""The NCCL backend's watchdog (megatron_p2p/_watchdog.py), over the fake libcuda and libnccl: an
 op waited on the stream only, whose peer never posts, still ends in a report at its timeout,
 and by default under torchrun the report ends the process so the job is torn down."""
 from __future__ import annotations

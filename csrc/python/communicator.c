@@ -190,7 +190,7 @@ static PyMethodDef comm_methods[] = {
      "API call), call_name, state (posted, matched, completed or failed), error ('' or the failure class), "
      "t_posted and t_completed (wall-clock seconds; None while pending) and waited (wait() was called)."},
     {"watchdog_check", (PyCFunction)comm_watchdog_check, METH_NOARGS,
-     "watchdog_check() -> exception or None\n\nFor the process's watchdog (megatron_p2p.watchdog). NCCL: finishes "
+     "watchdog_check() -> exception or None\n\nFor the process's watchdog (megatron_p2p._watchdog). NCCL: finishes "
      "the ops whose device work has completed; when device work has been pending longer than the timeout, or "
      "NCCL reports an asynchronous error, aborts the lane communicators and returns the exception (not raised) "
      "whose report the next call on this communicator raises. Always None on shm, whose waits time themselves."},

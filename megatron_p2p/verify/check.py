@@ -31,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._cli import tool_parser
 from .program import LANES, MODES, ProgramError, dumps, load
 from .simulate import Verdict, simulate
 
@@ -314,8 +315,7 @@ def _torch_table(results: list[Result], refused: list[Result]) -> str:
 # ---- command line ---------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_p2p.check", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("check", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*", metavar="FILE", help="program files (megatron_p2p.program/1 JSON)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--schedule", metavar="{1f1b,interleaved,torch:NAME}",

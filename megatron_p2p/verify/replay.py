@@ -13,7 +13,6 @@ error each rank raised, and exits 1. `--json` prints one object per file instead
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from ..communicator import init_communicator
 from . import program as prog
+from ._cli import tool_parser
 
 _KEY = "megatron_p2p/replay"
 # Verdicts by precedence: one rank's MismatchError explains its peers' later failures, not the
@@ -203,7 +203,7 @@ def _verdict(results: Sequence[dict[str, Any]]) -> tuple[str, list[int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_p2p.replay", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("replay", __doc__)
     parser.add_argument("files", nargs="+", metavar="FILE", help="program files (megatron_p2p.program/1)")
     parser.add_argument("--backend", choices=("shm", "nccl"), default="shm")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may block (default 60)")

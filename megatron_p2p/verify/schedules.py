@@ -7,7 +7,7 @@ wait, exactly as megatron-core's schedule functions drive this package's P2PComm
 - "1f1b": forward_backward_pipelining_without_interleaving (warmup, steady 1F1B, cooldown);
 - "interleaved": forward_backward_pipelining_with_interleaving, with or without
   overlap_p2p_comm (its handles become `awaits` of the later call that waits for them);
-- variable_seq_lengths adds P2PCommunicator's shape round (shape_headers.py): each step of an
+- variable_seq_lengths adds P2PCommunicator's shape round (_shape_headers.py): each step of an
   exchange carries its tensors' headers, and a step with receives follows, on its lane, one of
   their headers' receives, waited before it is posted. Those calls are explicit steps, so a
   variable program's calls depend on the mode and lane count.
@@ -33,7 +33,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from .. import shape_headers
+from .. import _shape_headers
 from ..p2p_communication import HEADER_BYTES, HEADER_CALL
 from .program import LANES, MODES, SLOTS, Program, ProgramBuilder, _plan_for
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     _Handle: TypeAlias = tuple[int, str | int]  # (call, slot) of an exchange, (call, op index) of a step
 
 SCHEDULES = ("1f1b", "interleaved")
-SENDS, RECVS = shape_headers.SENDS, shape_headers.RECVS  # from the C core's slot names, as SLOTS
+SENDS, RECVS = _shape_headers.SENDS, _shape_headers.RECVS  # from the C core's slot names, as SLOTS
 DEFAULT_TENSOR_BYTES = 4096
 SHAPE_ROUND = HEADER_CALL
 HEADER = (HEADER_BYTES, "int64")  # the shape round's message: int64 words
@@ -141,7 +141,7 @@ class _P2P:
     """What P2PCommunicator's methods post and wait for, on one rank. Tensors are specs
     (bytes, dtype, label); a received tensor is the spec its sender sends (None: none). With
     variable_seq_lengths each exchange is posted step by step with its shape headers, in parity
-    order over `lanes` (shape_headers.round_steps), whatever the mode."""
+    order over `lanes` (_shape_headers.round_steps), whatever the mode."""
 
     def __init__(self, rank: Rank, stage: int, pp: int, variable: bool, lanes: int | None):
         self.rank, self.stage, self.pp, self.variable, self.lanes = rank, stage, pp, variable, lanes
@@ -181,7 +181,7 @@ class _P2P:
         plan = _plan_for("parity", lanes, stage, present, peer["recv_prev"] == stage, peer["send_next"] == stage)
         handles: dict[str, _Handle] = {}
         header_sends: list[_Handle] = []
-        for headers, lane, ops in shape_headers.round_steps(plan):
+        for headers, lane, ops in _shape_headers.round_steps(plan):
             h = rank.post_step(SHAPE_ROUND if headers else name, lane,
                                [("send" if s in SENDS else "recv", peer[s], *(_header(given[s][2]) if is_header
                                                                             else given[s])) for s, is_header in ops])

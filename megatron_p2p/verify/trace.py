@@ -16,7 +16,6 @@ Python API: `load_dumps(directory) -> list[Dump]`, `analyse(dumps, ...) -> Repor
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..flight_recorder import FORMAT, REASONS
 from . import program as prog
 from . import timeline
+from ._cli import tool_parser
 from .simulate import CycleRank, cycle_report, simulate
 
 if TYPE_CHECKING:
@@ -623,7 +623,7 @@ def _whole_program(g: _Group) -> prog.Program:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_p2p.trace", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("trace", __doc__)
     parser.add_argument("dir", help="the directory MEGATRON_P2P_TRACE_DIR named")
     parser.add_argument("--json", action="store_true", help="one JSON object per communicator")
     parser.add_argument("--program", metavar="OUT.json", help="write the dumps as a program file")

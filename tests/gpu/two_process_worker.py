@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks before a kill
-    logging.getLogger("megatron_p2p.watchdog").addHandler(WATCHDOG_LOG)
+    logging.getLogger("megatron_p2p._watchdog").addHandler(WATCHDOG_LOG)
     T.install()
     results: dict[str, dict] = {}
     for name in args.parts.split(","):

@@ -1,5 +1,5 @@
 """Stalls on the NCCL backend over the model, and what the stall analysis makes of them
-(megatron_p2p/stall.py). One job of 3 ranks runs params["cases"] in order, each on a new
+(megatron_p2p/_stall.py). One job of 3 ranks runs params["cases"] in order, each on a new
 communicator, with the model's options of its "env" set while it is created:
   ring       every rank isends to its next, then irecvs from its previous rank, and synchronizes:
              the naive ring, a cycle of posted ops

@@ -143,6 +143,9 @@ def peers(torch, dist, mp):
     by_global = mp.P2POp(dist.isend, torch.ones(1), other)
     by_group = mp.P2POp(dist.irecv, torch.ones(1), group_peer=other)
     res["group_peer_filled"] = [by_global.group_peer, by_group.peer]
+    named = dist.new_group([0, 1])
+    res["group_filled"] = [by_global.group is dist.group.WORLD,
+                           mp.P2POp(dist.isend, torch.ones(1), other, group=named).group is named]
     res["not_a_member"] = harness.caught(lambda: mp.P2POp(dist.isend, torch.ones(1), 5))
     t = torch.full((3,), float(me))
     buf = torch.empty(3)

@@ -8,7 +8,7 @@ The same program runs twice, each time on a new communicator:
   P2PTimeoutError within the timeout instead of hanging.
 
 On backend "nccl" (the NCCL backend over the fake libraries) only "strict" runs: NCCL has no
-eager threshold to set; the ranks' stall analysis names the cycle (megatron_p2p/stall.py).
+eager threshold to set; the ranks' stall analysis names the cycle (megatron_p2p/_stall.py).
 
 params: numel (float32 elements per message), eager_threshold (for "buffered"), timeout, backend
 ("shm", the default, or "nccl")."""

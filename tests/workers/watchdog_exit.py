@@ -12,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_p2p import watchdog
+from megatron_p2p import _watchdog
 
 CALL_SECONDS = 0.5  # the store call in flight at exit
 FINALIZER_SECONDS = 1.0  # longer, so the call returns during finalization
@@ -53,7 +53,7 @@ class Relay:
 
 comm = Comm()
 if sys.argv[1] == "watchdog":
-    watchdog.watch(comm, Relay())  # type: ignore[arg-type]  # stand-ins for a communicator and a relay
+    _watchdog.watch(comm, Relay())  # type: ignore[arg-type]  # stand-ins for a communicator and a relay
 else:
     threading.Thread(target=store_call, daemon=True).start()
 entered.wait()

@@ -40,8 +40,8 @@ import weakref
 
 import torch.distributed as dist
 
-from . import _C, _env, flight_recorder, nccl, registry
-from .stall import StallWatch
+from . import _C, _env, _registry, flight_recorder, nccl
+from ._stall import StallWatch
 
 ENV_HANDLING = "MEGATRON_P2P_ASYNC_ERROR_HANDLING"
 HANDLINGS = _env.BY_NAME[ENV_HANDLING].choices  # ("end", "raise")
@@ -152,7 +152,7 @@ class Watchdog:
         self._report(report)
 
     def _deadlock(self, w: _Watched, comm: _C.Communicator) -> None:
-        """A certain wait-for cycle through this rank (stall.StallWatch): the verdict goes to the
+        """A certain wait-for cycle through this rank (_stall.StallWatch): the verdict goes to the
         peers with its cycle, whose ranks raise the same DeadlockError, then aborts here."""
         try:
             found = w.stall.check(comm) if w.stall is not None else None
@@ -200,11 +200,11 @@ class Watchdog:
             os._exit(EXIT_STATUS)
 
 
-_watchdog = Watchdog()
-registry.at_exit(registry.EXIT_STOP, _watchdog.stop)  # after the closes
+_THE_WATCHDOG = Watchdog()
+_registry.at_exit(_registry.EXIT_STOP, _THE_WATCHDOG.stop)  # after the closes
 
 
 def watch(comm: _C.Communicator, relay: nccl.AbortRelay, peers: nccl.PeerWatch | None = None,
           stall: StallWatch | None = None) -> None:
     """Puts `comm` under the process's watchdog (see Watchdog.watch)."""
-    _watchdog.watch(comm, relay, peers, stall)
+    _THE_WATCHDOG.watch(comm, relay, peers, stall)
