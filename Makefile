@@ -3,21 +3,35 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCHRUN := $(VENV)/bin/torchrun
+BASE := $(VENV)/.base-installed
 DEPS := $(VENV)/.deps-installed
 EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*/*.c csrc/*/*.h) setup.py
 TEST_JOBS ?=
 
-.PHONY: all build fakes gpu-carry demo test test-fast test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
+.PHONY: all build docs fakes gpu-carry demo test test-fast test-torch-latest test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
 
 all: build
 
-$(DEPS): pyproject.toml
+# What `make demo` needs, and all a user's environment needs: torch (TORCH_INDEX=URL picks the
+# index it comes from, such as PyTorch's CPU-only one) and the build tools. The source tree itself
+# is the package (a .pth entry), so torchrun workers import it too.
+TORCH_INDEX ?=
+$(BASE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0 pytest numpy matplotlib setuptools wheel
-	# strace, for the test that no rank grants ptrace access beyond its peers (tests/test_security.py).
-	command -v strace >/dev/null || (apt-get update && apt-get install -y strace)
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
+	$(PY) -m pip install --quiet setuptools wheel
+	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/megatron_p2p_source.pth"
+	touch $@
+
+# What the tests add.
+$(DEPS): $(BASE)
+	$(PY) -m pip install --quiet pytest numpy matplotlib
+	# strace, for the test that no rank grants ptrace access beyond its peers (tests/test_security.py),
+	# where this user may install it; without it that test skips and says why.
+	command -v strace >/dev/null || (apt-get update && apt-get install -y strace) >/dev/null 2>&1 || \
+		echo "strace not installed: tests/test_security.py skips its prctl trace"
 	# The argument-layer property tests and the fuzz targets (tests/fuzz/).
 	$(PY) -m pip install --quiet hypothesis==6.170.17 atheris==3.0.0
 	# libnccl.so.2 and nccl.h, for the NCCL loader and ABI tests (no GPU needed).
@@ -26,13 +40,11 @@ $(DEPS): pyproject.toml
 	# dependencies the import needs torch, numpy, packaging, and triton (schedules imports it at module level).
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PY) -m pip install --quiet --no-deps packaging triton==3.9.0
-	# The source tree itself is the package (a .pth entry), so torchrun workers import it too.
-	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/megatron_p2p_source.pth"
 	touch $@
 
 # Built in build/ and then moved into place with a new inode, so ranks still running the old
 # library are not disturbed.
-$(EXT): $(DEPS) $(SOURCES)
+$(EXT): $(BASE) $(SOURCES)
 	$(PY) setup.py --quiet build_ext --build-temp build/temp --build-lib build/lib
 	for so in build/lib/megatron_p2p/_C*.so; do install -m 755 "$$so" megatron_p2p/; done
 	touch $@
@@ -40,7 +52,7 @@ $(EXT): $(DEPS) $(SOURCES)
 # megatron_p2p._testing, the hooks only the tests and benchmarks use (MEGATRON_P2P_TESTING adds it
 # to setup.py's extensions; a plain `pip install .` builds _C alone).
 TESTING := build/.testing-installed
-$(TESTING): $(EXT)
+$(TESTING): $(EXT) $(DEPS)
 	MEGATRON_P2P_TESTING=1 $(PY) setup.py --quiet build_ext --build-temp build/temp --build-lib build/lib
 	for so in build/lib/megatron_p2p/_testing*.so; do install -m 755 "$$so" megatron_p2p/; done
 	touch $@
@@ -78,6 +90,10 @@ gpu-carry: $(DEPS)
 	if [ -n "$(NCCL_LIB)" ]; then tests/gpu/build_nccl.sh --check "$(NCCL_LIB)" && mkdir -p build/nccl && \
 	  install -m 755 "$(NCCL_LIB)" build/nccl/libnccl.so.2; fi
 
+# The generated part of the docs: the environment variables' table (megatron_p2p/_env.py).
+docs: $(EXT)
+	$(PY) -c 'from megatron_p2p._env import write_docs; write_docs("docs/environment.md")'
+
 demo: build
 	$(TORCHRUN) --standalone --nproc-per-node 4 -m megatron_p2p.demo
 
@@ -88,6 +104,24 @@ test: $(TESTING) fakes
 # under 2 minutes; run_job refuses to launch here, so a test the mark misses fails instead.
 test-fast: $(TESTING) fakes
 	MEGATRON_P2P_FAST_TESTS=1 $(PY) -m pytest -q -m "not torchrun" $(TEST_JOBS)
+
+# The torch-facing tests (the torch-style ops, torch.distributed.pipelining, the megatron-core
+# drop-in and its CPU shim) against the newest torch on PyPI, in a virtual environment of its own:
+# a CUDA build (about 5.5 GB with its dependencies), which runs them on the CPU where there is no GPU.
+LATEST := .venv-torch-latest
+LATEST_TESTS := tests/test_pipelining.py tests/test_torch_schedules.py tests/test_patching.py \
+	tests/test_megatron_dropin.py tests/test_megatron_on_cpu.py tests/test_examples.py tests/test_fuzz_arguments.py \
+	tests/test_packaging.py
+test-torch-latest: $(TESTING) fakes
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST)/bin/python -m pip install --quiet --upgrade torch
+	$(LATEST)/bin/python -m pip install --quiet pytest numpy hypothesis==6.170.17
+	$(LATEST)/bin/python -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(LATEST)/bin/python -m pip install --quiet --no-deps packaging
+	echo "$(CURDIR)" > "$$($(LATEST)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/megatron_p2p_source.pth"
+	$(LATEST)/bin/python -c 'import torch; print("torch", torch.__version__)'
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS)
 
 # The timing-sensitive tests (tests/stress.py lists them), STRESS_ROUNDS times, beside one
 # CPU-bound process per core: a test that assumes a timing fails here before CI meets it.

@@ -53,7 +53,8 @@ from ._C import (
     PeerFailureError,
     Request,
 )
-from ._version import __version__
+from ._megatron_cpu import megatron_on_cpu
+from ._version import __version__, warn_if_untested_torch
 from .communicator import init_communicator
 from .megatron_patch import patch_megatron, unpatch_megatron
 from .nccl import NcclVersion, nccl_version
@@ -72,6 +73,9 @@ from .ops import (
 from .p2p_communication import P2PCommunicator
 from .pipelining_patch import patch_pipelining, unpatch_pipelining
 
+warn_if_untested_torch()
+del warn_if_untested_torch
+
 __all__ = [
     "BackendUnavailableError",
     "Communicator",
@@ -89,6 +93,7 @@ __all__ = [
     "init_communicator",
     "irecv",
     "isend",
+    "megatron_on_cpu",
     "nccl_version",
     "patch_megatron",
     "patch_pipelining",

@@ -67,6 +67,20 @@ def test_size_mismatch_raises_on_both_ranks_naming_ranks_and_sizes(cases, case):
         assert "P2PError" in r["mro"]
 
 
+def test_a_mismatch_stays_a_mismatch_error_for_the_sender_when_the_receiver_then_closes(cases):
+    """The receiver answers with a mismatch and closes with an op pending before the sender's
+    engine runs again: the sender still gets MismatchError, not the close's abort."""
+    sender, receiver = section(cases, "answered_then_closed")
+    assert_raised(receiver["mismatch"], "MismatchError", "4096", "8192")
+    assert_raised(sender["mismatch"], "MismatchError", "rank 1", "4096", "8192")
+
+
+def test_a_send_answered_before_the_receiver_closes_completes(cases):
+    sender, receiver = section(cases, "answered_then_closed")
+    assert receiver["matched"]["type"] is None, receiver["matched"]
+    assert sender["matched"]["type"] is None, sender["matched"]
+
+
 def test_dtype_mismatch_raises_on_both_ranks(cases):
     """Same byte count, float32 sent, int32 expected: MismatchError on both ranks naming both dtypes."""
     for res in section(cases, "mismatch"):

@@ -1,4 +1,4 @@
-"""The C tree's layers (README, "Layout"): csrc/core is pure C; the shm and nccl transports sit on
+"""The C tree's layers (docs/development.md, "Layout"): csrc/core is pure C; the shm and nccl transports sit on
 it, side by side; csrc/python is the only layer of _C that sees Python; csrc/testing is the
 separate _testing module. Checked on the includes of every file, and on the symbols of the
 objects a plain build makes (what each file really calls), so a call across a layer is caught

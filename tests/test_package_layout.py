@@ -41,12 +41,22 @@ def test_a_tools_old_import_path_is_the_moved_module_itself(tool):
     assert old is new
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("where", ["megatron_p2p", "megatron_p2p.verify"])
-def test_a_tools_command_runs_from_its_old_and_its_new_path(where, command):
-    done = subprocess.run([sys.executable, "-m", f"{where}.{command}", "--help"], capture_output=True, text=True,
-                          cwd=ROOT)
+def command_modules() -> list[str]:
+    """Every `python -m megatron_p2p.<module>` the package has: the modules that run as __main__."""
+    return sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in PACKAGE.rglob("*.py")
+                  if '__name__ == "__main__"' in p.read_text())
+
+
+def test_the_tools_commands_run_from_their_old_and_their_new_path():
+    assert {f"{where}.{c}" for c in COMMANDS for where in ("megatron_p2p", "megatron_p2p.verify")} <= \
+        set(command_modules())
+
+
+@pytest.mark.parametrize("module", command_modules())
+def test_every_command_prints_its_usage_without_a_warning(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+    assert "Warning" not in done.stderr, done.stderr  # runpy's, when the package imports the module first
 
 
 # The modules a user may import by name; every other module of the package starts with an

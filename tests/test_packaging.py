@@ -36,3 +36,56 @@ def test_the_licence_is_bsd_3_clause_in_the_file_and_in_the_metadata():
 
 def test_the_changelog_has_an_entry_for_this_version():
     assert f"## {megatron_p2p.__version__} " in (ROOT / "CHANGELOG.md").read_text()
+
+
+@pytest.mark.parametrize("version", ["2.13.0", "2.14.1+cu130", "2.14.0a0+git1234"])
+def test_a_torch_in_the_tested_range_gets_no_warning(version):
+    assert _version.untested_torch(version) is None
+
+
+@pytest.mark.parametrize("version", ["2.12.1", "2.15.0", "3.0.0", "nightly"])
+def test_a_torch_outside_the_tested_range_gets_a_warning_naming_the_range(version):
+    message = _version.untested_torch(version)
+    assert message is not None and "tested with torch 2.13 to 2.14" in message and repr(version)[1:-1] in message
+
+
+def test_importing_the_package_with_an_untested_torch_warns_once():
+    code = ("import torch, warnings\ntorch.__version__ = '2.99.0'\nwarnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as w:\n    import megatron_p2p\n"
+            "print([str(x.message) for x in w if 'tested with torch' in str(x.message)])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    expected = f"megatron_p2p {megatron_p2p.__version__} is tested with torch 2.13 to 2.14, not torch 2.99.0"
+    assert done.stdout.strip() == repr([expected])
+
+
+def test_the_declared_torch_bound_is_the_tested_range():
+    (lo_major, lo_minor), (hi_major, hi_minor) = _version.TESTED_TORCH
+    assert f"torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}" in PYPROJECT["project"]["dependencies"]
+
+
+def test_the_optional_dependencies_are_declared_as_extras():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert set(extras) == {"megatron", "plot", "nccl"}
+    assert extras["megatron"][0].startswith("megatron-core") and extras["plot"] == ["matplotlib"]
+
+
+def make_plan(target: str, tmp_path) -> str:
+    """What `make <target>` would install on a fresh machine (a virtual environment not yet made):
+    its pip and apt-get command lines, without the environment's path."""
+    venv = tmp_path / "venv"
+    done = subprocess.run(["make", "-n", target, f"VENV={venv}"], capture_output=True, text=True, cwd=ROOT, check=True)
+    return "\n".join(line.replace(str(venv), "VENV") for line in done.stdout.splitlines()
+                     if "pip install" in line or "apt-get" in line)
+
+
+def test_make_demo_sets_up_torch_and_the_package_only(tmp_path):
+    plan = make_plan("demo", tmp_path)
+    assert "torch==2.13.0" in plan
+    for test_only in ("pytest", "megatron-core", "triton", "hypothesis", "nvidia-nccl", "apt-get"):
+        assert test_only not in plan, test_only
+
+
+def test_make_test_sets_up_the_test_tools_too(tmp_path):
+    plan = make_plan("test", tmp_path)
+    for tool in ("torch==2.13.0", "pytest", "megatron-core", "hypothesis", "nvidia-nccl"):
+        assert tool in plan, tool

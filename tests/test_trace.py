@@ -285,18 +285,28 @@ def three_ranks_waiting_on_2(directory: Path, *, rank2: list[dict], time2: float
     write_dump(directory, 2, rank2, ranks=ranks, reason=reason2, time=time2)
 
 
-def test_rank_whose_record_stops_early_is_dead(tmp_path):
+def test_rank_whose_record_stops_early_is_stopped_and_not_called_dead(tmp_path):
     three_ranks_waiting_on_2(tmp_path, rank2=[op("send", 0, 0, state="posted")], time2=2000.0 - 300, reason2="signal")
-    (dead,) = analyse(tmp_path).findings("dead")
-    assert dead.ranks == (2,)
-    assert "stops 300 s before" in dead.text
+    report = analyse(tmp_path)
+    (stopped,) = report.findings("stopped")
+    assert stopped.ranks == (2,) and "stops 300 s before" in stopped.text
+    assert not report.findings("dead")
 
 
-def test_rank_with_nothing_pending_that_peers_wait_on_is_dead(tmp_path):
+def test_a_live_rank_with_nothing_pending_that_peers_wait_on_is_idle_and_not_called_dead(tmp_path):
     three_ranks_waiting_on_2(tmp_path, rank2=[], time2=2000.0, reason2="signal")
+    report = analyse(tmp_path)
+    (idle,) = report.findings("idle")
+    assert idle.ranks == (2,)
+    assert "rank 0 waits on it (recv from rank 2" in idle.text and "idle (computing, or outside communication)" in idle.text
+    assert not report.findings("dead")
+    assert "IDLE: rank 2" in report.text() and "DEAD" not in report.text()
+
+
+def test_a_rank_that_exited_while_peers_wait_on_it_is_dead(tmp_path):
+    three_ranks_waiting_on_2(tmp_path, rank2=[], time2=2000.0, reason2="exit")
     (dead,) = analyse(tmp_path).findings("dead")
-    assert dead.ranks == (2,)
-    assert "rank 0 waits on it (recv from rank 2" in dead.text and "nothing pending" in dead.text
+    assert dead.ranks == (2,) and "but it exited" in dead.text
 
 
 def test_rank_waiting_itself_is_not_dead(tmp_path):

@@ -1,4 +1,4 @@
-/* The offline simulator of the transport semantics (DESIGN.md, docs/program-format.md): what a
+/* The offline simulator of the transport semantics (docs/program-format.md): what a
  * program of calls does under strict rendezvous, shm's descriptor slots and its eager threshold.
  * Pure C, no Python, no I/O; event-driven in synchronous rounds, O(ops).
  *

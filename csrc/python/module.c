@@ -95,7 +95,7 @@ static PyObject *plan(PyObject *Py_UNUSED(mod), PyObject *args, PyObject *kwargs
 }
 
 /* os.register_at_fork(after_in_child=...): a fork child disowns every Communicator it inherited,
- * before any of its code runs (README, "Fork"). */
+ * before any of its code runs (docs/api.md, "Fork"). */
 static PyObject *after_fork_in_child(PyObject *mod, PyObject *Py_UNUSED(ignored))
 {
     mp_state *st = state_of(mod);

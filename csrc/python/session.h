@@ -20,7 +20,7 @@ typedef struct {
     int busy;
     mp_transport *closing;
     /* The process that created it. A fork child inherits the object but not the transport: its
-     * threads, locks and shared memory are the parent's (README, "Fork"). */
+     * threads, locks and shared memory are the parent's (docs/api.md, "Fork"). */
     pid_t owner;
     int forked;              /* set in a fork child: the transport is forgotten, never touched */
     int group_rank;

@@ -82,7 +82,7 @@ mp_result mp_arena_create(const char *name, uint64_t bytes, mp_arena **out, char
         mp_arena_release(a);
         return r;
     }
-    madvise(a->base, bytes, MADV_DONTFORK); /* the creating process's only: README, "Fork" */
+    madvise(a->base, bytes, MADV_DONTFORK); /* the creating process's only: docs/api.md, "Fork" */
 #ifdef MADV_HUGEPAGE
     madvise(a->base, bytes, MADV_HUGEPAGE); /* where the kernel allows it (shmem_enabled = advise) */
 #endif

@@ -92,6 +92,7 @@ void shm_recv_done(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local 
 void shm_answer(shm_t *s, mp_op *op, shm_chan *ch);
 void shm_free_head(step_queue *q);
 int shm_progress_lane(shm_t *s, step_queue *q);
+void shm_settle_answered_sends(shm_t *s);
 
 /* ---- copy.c: the copies of matched messages --------------------------------------------- */
 

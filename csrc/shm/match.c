@@ -195,6 +195,66 @@ static int publish_send(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan
     return 1;
 }
 
+/* A send waiting on its receiver's answer: finishes it with the outcome the receiver wrote, once it
+ * has. Returns whether anything happened. */
+static int settle_send(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local *cl)
+{
+    uint64_t done = 0;
+    if (shm_read_counter(s, op, &ch->done, "done", &cl->done_seen, NULL, cl->published, &done) < 0)
+        return 1;
+    if (done <= op->seq)
+        return 0;
+    shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
+    uint32_t result = sl->result;
+    int32_t recv_dtype = sl->recv_dtype;
+    uint32_t recv_label = sl->recv_label;
+    /* What a receiver writes: its copy's outcome, and on a mismatch what it expected. */
+    if (result != MP_OK && result != MP_ERR_MISMATCH && result != MP_ERR_SYSTEM && result != MP_ERR_PEER_DEAD)
+        return shm_found_corrupt(s, "result of message #%llu to rank %d = %u", (unsigned long long)op->seq,
+                                 op->peer_global, result);
+    if (result == MP_ERR_MISMATCH && (recv_dtype < 0 || recv_dtype >= MP_NUM_DTYPES || recv_label >= MP_NUM_LABELS))
+        return shm_found_corrupt(s, "receiver's dtype %d / label %u of message #%llu to rank %d", recv_dtype,
+                                 recv_label, (unsigned long long)op->seq, op->peer_global);
+    /* A receiver that expects exactly what was sent saw another descriptor than this rank wrote. */
+    if (result == MP_ERR_MISMATCH && sl->recv_nbytes == op->nbytes && recv_dtype == op->dtype)
+        return shm_found_corrupt(s, "descriptor of message #%llu to rank %d: nbytes or dtype changed after this "
+                                 "rank wrote %llu bytes of %s (the receiver expects those, and read others)",
+                                 (unsigned long long)op->seq, op->peer_global, (unsigned long long)op->nbytes,
+                                 mp_dtype_name(op->dtype));
+    mp_result r = (mp_result)result;
+    if (r == MP_ERR_MISMATCH)
+        snprintf(op->detail, sizeof op->detail,
+                 "rank %d's %s expects %llu bytes of %s; this rank sent %llu bytes of %s", op->peer_global,
+                 mp_label_name((mp_label)recv_label), (unsigned long long)sl->recv_nbytes,
+                 mp_dtype_name(recv_dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
+    else if (r != MP_OK)
+        snprintf(op->detail, sizeof op->detail, "%s to rank %d failed at the receiver: %s",
+                 mp_label_name(op->label), op->peer_global, mp_result_str(r));
+    shm_finish(s, step, op, r);
+    return 1;
+}
+
+/* Before an abort fails what is left, the sends whose receivers have already answered take their
+ * answer: a receiver that reports a mismatch and then closes with ops pending would otherwise
+ * turn its sender's MismatchError into the close's abort. */
+void shm_settle_answered_sends(shm_t *s)
+{
+    for (int l = 0; l < s->base.nlanes; l++) {
+        step_queue *q = &s->lanes[l];
+        mp_step *step = q->head;
+        if (!step || !step->activated)
+            continue;
+        for (int i = 0; i < step->nops; i++) {
+            mp_op *op = step->ops[i];
+            if (op && op->kind == MP_SEND && op->phase == PH_WAIT_DONE)
+                settle_send(s, step, op, shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, s->base.rank, op->peer)),
+                            &s->out[op->lane * s->base.size + op->peer]);
+        }
+        if (step->remaining == 0)
+            shm_free_head(q);
+    }
+}
+
 static int progress_send(shm_t *s, mp_step *step, mp_op *op)
 {
     uint32_t c = shm_chan_index(&s->v, op->lane, s->base.rank, op->peer);
@@ -211,40 +271,8 @@ static int progress_send(shm_t *s, mp_step *step, mp_op *op)
         moved |= shm_copy_to_arena(s, op, c, ch, cl);
     if (op->phase == PH_STREAM)
         moved |= shm_stream_send(s, op, c, ch, cl);
-    uint64_t done = 0;
-    if (op->phase == PH_WAIT_DONE &&
-        shm_read_counter(s, op, &ch->done, "done", &cl->done_seen, NULL, cl->published, &done) < 0)
-        return 1;
-    if (op->phase == PH_WAIT_DONE && done > op->seq) {
-        shm_slot *sl = &ch->slots[op->seq % SHM_NSLOTS];
-        uint32_t result = sl->result;
-        int32_t recv_dtype = sl->recv_dtype;
-        uint32_t recv_label = sl->recv_label;
-        /* What a receiver writes: its copy's outcome, and on a mismatch what it expected. */
-        if (result != MP_OK && result != MP_ERR_MISMATCH && result != MP_ERR_SYSTEM && result != MP_ERR_PEER_DEAD)
-            return shm_found_corrupt(s, "result of message #%llu to rank %d = %u", (unsigned long long)op->seq,
-                                     op->peer_global, result);
-        if (result == MP_ERR_MISMATCH && (recv_dtype < 0 || recv_dtype >= MP_NUM_DTYPES || recv_label >= MP_NUM_LABELS))
-            return shm_found_corrupt(s, "receiver's dtype %d / label %u of message #%llu to rank %d", recv_dtype,
-                                     recv_label, (unsigned long long)op->seq, op->peer_global);
-        /* A receiver that expects exactly what was sent saw another descriptor than this rank wrote. */
-        if (result == MP_ERR_MISMATCH && sl->recv_nbytes == op->nbytes && recv_dtype == op->dtype)
-            return shm_found_corrupt(s, "descriptor of message #%llu to rank %d: nbytes or dtype changed after this "
-                                     "rank wrote %llu bytes of %s (the receiver expects those, and read others)",
-                                     (unsigned long long)op->seq, op->peer_global, (unsigned long long)op->nbytes,
-                                     mp_dtype_name(op->dtype));
-        mp_result r = (mp_result)result;
-        if (r == MP_ERR_MISMATCH)
-            snprintf(op->detail, sizeof op->detail,
-                     "rank %d's %s expects %llu bytes of %s; this rank sent %llu bytes of %s", op->peer_global,
-                     mp_label_name((mp_label)recv_label), (unsigned long long)sl->recv_nbytes,
-                     mp_dtype_name(recv_dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
-        else if (r != MP_OK)
-            snprintf(op->detail, sizeof op->detail, "%s to rank %d failed at the receiver: %s",
-                     mp_label_name(op->label), op->peer_global, mp_result_str(r));
-        shm_finish(s, step, op, r);
-        moved = 1;
-    }
+    if (op->phase == PH_WAIT_DONE)
+        moved |= settle_send(s, step, op, ch, cl);
     return moved;
 }
 

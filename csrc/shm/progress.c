@@ -69,6 +69,8 @@ int shm_engine_pass(shm_t *s)
         in = next;
     }
     if (s->failed || shm_abort_cause(&s->base, NULL) != MP_OK) {
+        if (!s->failed)
+            shm_settle_answered_sends(s);
         shm_fail_everything(s); /* also fails steps posted while the abort raced in */
         return moved;
     }

@@ -190,7 +190,7 @@ mp_result shm_segment_map(const char *name, int create, int size, int nlanes, ui
             shm_unlink(name);
         return shm_system_error(err, errlen, "cannot map shared-memory segment", name, e);
     }
-    madvise(base, lay.total, MADV_DONTFORK); /* the creating process's only: README, "Fork" */
+    madvise(base, lay.total, MADV_DONTFORK); /* the creating process's only: docs/api.md, "Fork" */
     v->base = base;
     v->lay = lay;
     v->size = size;

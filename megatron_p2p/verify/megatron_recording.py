@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, p2p_communication
+from .._megatron_cpu import megatron_on_cpu
 from .program import MODES, SLOTS, Program, ProgramBuilder
 from .schedules import DEFAULT_TENSOR_BYTES, SCHEDULES, Rank, RankCall, emit, megatron_refusal
 
@@ -157,8 +158,6 @@ def _megatron_environment() -> Iterator[None]:
     """What megatron-core's schedules need of this process: torch.distributed initialised,
     CUDA allocations on the CPU when torch has no CUDA, our P2PCommunicator resolving the
     stand-in groups; one torch thread meanwhile."""
-    from torch.overrides import TorchFunctionMode
-
     created = False
     if not dist.is_initialized():
         from torch._C._distributed_c10d import HashStore  # torch.distributed does not re-export it
@@ -167,26 +166,12 @@ def _megatron_environment() -> Iterator[None]:
                                 timeout=datetime.timedelta(seconds=60))
         created = True
 
-    def is_cuda(device: Any) -> bool:
-        if isinstance(device, str):
-            return device.startswith("cuda")
-        return isinstance(device, torch.device) and device.type == "cuda"
-
-    class CudaToCpu(TorchFunctionMode):
-        def __torch_function__(self, func: Callable[..., Any], types: Collection[type], args: Sequence[Any] = (),
-                               kwargs: dict[str, Any] | None = None) -> Any:
-            kwargs = kwargs or {}
-            if is_cuda(kwargs.get("device")):
-                kwargs = {**kwargs, "device": "cpu"}
-            return func(*args, **kwargs)
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny stage models only lose to thread start-up
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(mock.patch.object(p2p_communication, "group_ranks", lambda group: group.ranks))
-            if not torch.cuda.is_available():
-                stack.enter_context(CudaToCpu())
+            stack.enter_context(megatron_on_cpu())
             yield
     finally:
         torch.set_num_threads(threads)

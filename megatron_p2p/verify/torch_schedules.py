@@ -104,13 +104,20 @@ class TorchRank:
 
 # ---- stand-in stages ------------------------------------------------------------------------------
 
+class _Group:
+    """The stand-in stages' process group, as far as torch's schedules read it (torch 2.14's
+    `_batch_p2p` splits a batch by `group.group_name`)."""
+
+    group_name = "pp"
+
+
 class _Op:
     """torch.distributed.P2POp's fields, as torch's schedules read them."""
 
     __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
 
     def __init__(self, op: Any, spec: tuple[int, str, str], peer: int):
-        self.op, self.tensor, self.peer, self.group, self.tag, self.group_peer = op, spec, peer, None, 0, peer
+        self.op, self.tensor, self.peer, self.group, self.tag, self.group_peer = op, spec, peer, _Group(), 0, peer
 
 
 class _Stage:

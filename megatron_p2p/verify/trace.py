@@ -117,7 +117,8 @@ class Dump:
 
 @dataclass(frozen=True)
 class Finding:
-    """One problem: kind is "missing", "dead", "error", "cycle", "mismatch" or "unmatched"."""
+    """One problem: kind is "missing", "dead", "stopped", "idle", "error", "cycle", "mismatch" or
+    "unmatched"."""
 
     kind: str
     ranks: tuple[int, ...]  # global ranks involved
@@ -507,24 +508,31 @@ def _cycle(g: _Group, report: CommunicatorReport, explained: set[TraceOp]) -> No
 # ---- missing and dead ranks ----------------------------------------------------------------
 
 def _dead(g: _Group, report: CommunicatorReport, stale_after: float, explained: set[TraceOp]) -> None:
+    """Ranks the others wait on, each under one kind: "dead" only when its process is gone (it left
+    no dump, or its last dump is its exit's), "stopped" when its record ends while its peers'
+    go on, "idle" when it is alive with nothing pending (computing, or outside communication)."""
     for rank in g.missing:
         report.findings.append(Finding("missing", (rank,), f"rank {rank} left no dump (killed, or stuck where "
                                                           "no Python code runs)"))
     newest = max(d.time for d in g.dumps.values())
     for rank, dump in g.dumps.items():
-        reasons = []
+        reasons, kind = [], "idle"
         if dump.reason != "exit" and newest - dump.time > stale_after:
+            kind = "stopped"
             reasons.append(f"its record stops {newest - dump.time:.0f} s before the newest dump of the "
                            f"communicator (dumped on {dump.reason}); it stopped while its peers went on")
         waiting = _waiting_on(g, rank)
         if waiting and not any(op.unfinished for op in dump.ops):
             op = waiting[0]
-            did = "exited" if dump.reason == "exit" else "has nothing pending (computing, or stuck outside communication)"
+            if dump.reason == "exit":
+                kind, did = "dead", "exited"
+            else:
+                did = "is idle (computing, or outside communication): it has nothing pending"
             more = f" and {len(waiting) - 1} more ops of its peers" if len(waiting) > 1 else ""
             reasons.append(f"rank {op.rank} waits on it ({op.describe()}){more}, but it {did}")
         if reasons:
             explained.update(waiting)
-            report.findings.append(Finding("dead", (rank,), f"rank {rank}: " + "\n".join(reasons)))
+            report.findings.append(Finding(kind, (rank,), f"rank {rank}: " + "\n".join(reasons)))
 
 
 def _waiting_on(g: _Group, rank: int) -> list[TraceOp]:

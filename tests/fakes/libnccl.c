@@ -3,7 +3,7 @@
  * the ranks of one communicator meet and move bytes; the name is unlinked once every rank has
  * attached. Send and receive run as "kernels" on the fake libcuda's streams.
  *
- * What it promises, as NCCL does (DESIGN.md, "Semantics"):
+ * What it promises, as NCCL does (docs/shm-transport.md, the semantics):
  *   - the k-th send from A to B on a communicator matches the k-th receive by B from A;
  *   - a communicator's ops run in order on their stream; the ops of one group progress
  *     together; a send does not complete before its receive is posted (unless

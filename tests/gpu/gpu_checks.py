@@ -189,7 +189,7 @@ def thread_starts_over_exchanges(*envs: dict[str, str]) -> list[dict]:
 
 
 def check_steady_state_exchanges_start_no_thread_and_nonblocking_data_comms_do() -> None:
-    """The data path's blocking children (README, "Communicator mode"): posting exchanges starts no
+    """The data path's blocking children (docs/nccl-backend.md, "Communicator mode"): posting exchanges starts no
     thread; with NCCL_COMM_BLOCKING=0 from the process's start (NCCL reads it once per process) NCCL
     starts one per group end (src/group.cc ncclGroupEndInternal), so at least one per exchange."""
     blocking, nonblocking = thread_starts_over_exchanges({}, {"NCCL_COMM_BLOCKING": "0"})

@@ -7,6 +7,8 @@ of its own so that one failing section cannot hide the others:
   lifecycle  abort()/close() idempotent; the context manager closes
   abort      abort() on one rank fails the other rank's pending wait fast
   timeout    a receive with no sender times out with a report; the silent peer sees the abort
+  answered_then_closed  the receiver answers a send (mismatch, or matched) and then closes with
+             an op pending while the sender is stopped: the sender gets the answer, not the close
   clean_exit a peer that closes its communicator and exits is not reported as dead (last: rank 1 exits)
 
 Every expected error is caught and recorded as {type, mro, msg, elapsed}; the test asserts on it.
@@ -21,7 +23,8 @@ from typing import Any
 import harness
 from harness import caught
 
-SECTIONS = ("mismatch", "bad_input", "lifetime", "lifecycle", "abort", "timeout", "clean_exit")
+SECTIONS = ("mismatch", "bad_input", "lifetime", "lifecycle", "abort", "timeout", "answered_then_closed",
+            "clean_exit")
 
 
 def wait_all(reqs):
@@ -179,6 +182,39 @@ def timeout(torch, mp, comm, secs):
     return out
 
 
+def answered_then_closed(torch, mp, comm):
+    """Rank 0 posts a send of 1024 floats; rank 1 stops rank 0's process (SIGSTOP), receives it into
+    2048 floats (a mismatch) or 1024 (matched), posts a receive nobody sends and closes the
+    communicator with it pending, then resumes rank 0. Rank 0's engine then meets the answer and
+    the close's abort in the same pass: its wait must give the answer."""
+    import signal
+
+    mine, theirs = torch.tensor([os.getpid()]), torch.zeros(1, dtype=torch.int64)
+    wait_all(mp.batch_isend_irecv([mp.P2POp(mp.isend, mine, comm.next_rank, comm=comm),
+                                   mp.P2POp(mp.irecv, theirs, comm.next_rank, comm=comm)]))
+    sender_pid = int(theirs) if comm.rank == 1 else os.getpid()
+    out = {}
+    for name, numel in (("mismatch", 2048), ("matched", 1024)):
+        c = mp.init_communicator(timeout=20.0)
+        if comm.rank == 0:
+            req = c.isend(torch.ones(1024), 1)
+            time.sleep(0.2)  # the progress thread publishes the send before the process is stopped
+            _barrier(torch, comm)
+            out[name] = caught(req.wait)
+        else:
+            _barrier(torch, comm)
+            os.kill(sender_pid, signal.SIGSTOP)
+            while _state(sender_pid) != "T":
+                time.sleep(0.001)
+            out[name] = caught(lambda: c.irecv(torch.zeros(numel), 0).wait())
+            c.irecv(torch.zeros(1), 0)  # pending at the close
+            c.close()
+            os.kill(sender_pid, signal.SIGCONT)
+        _barrier(torch, comm)
+        c.close()
+    return out
+
+
 def clean_exit(torch, mp, comm):
     """Rank 1 tells rank 0 its pid, closes, and exits; rank 0 waits until that process is gone,
     then keeps using the communicator (a self exchange) and must see no failure."""
@@ -202,12 +238,17 @@ def clean_exit(torch, mp, comm):
     return out
 
 
-def _alive(pid):
+def _state(pid):
+    """The process's state letter (R, S, T stopped, Z zombie, ...); None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+            return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
+        return None
+
+
+def _alive(pid):
+    return _state(pid) not in (None, "Z")  # a zombie has exited
 
 
 def _barrier(torch, comm):

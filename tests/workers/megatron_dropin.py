@@ -2,14 +2,9 @@
 shm), in one 4-rank job: importing megatron-core costs seconds per rank, so every section runs
 here and records "ok" with its value or the error it raised; the tests read their part.
 
-CPU shim (megatron-core is written for CUDA; a CPU-only torch raises on each of these):
-- torch.cuda.current_device() returns 0, as on a one-GPU machine;
-- CudaToCpu, a TorchFunctionMode active around megatron-core calls, turns device=0 / "cuda" in
-  tensor factories into the CPU (megatron-core allocates buffers on current_device(), and its
-  schedules allocate a token counter on "cuda");
-- torch.cuda.synchronize() does nothing and counts its calls (host memory needs no sync);
-- torch.cuda.nvtx.range_push / range_pop count their calls.
-Nothing else of megatron-core is changed.
+megatron-core is written for CUDA: its calls run inside megatron_p2p.megatron_on_cpu(), the
+package's CPU shim, with torch.cuda.synchronize and NVTX's push and pop counted
+(counting_on_cpu). Nothing else of megatron-core is changed.
 
 Sections: methods (the nine methods, compared), pp2 (2-rank groups: batched pairing, shape
 exchange pairing, dtype disagreement), modes (what the shape exchange issues), cuda_only
@@ -36,39 +31,25 @@ COUNTS = {"synchronize": 0, "nvtx_push": 0, "nvtx_pop": 0}
 NCCL_SECTIONS = ("methods", "pp2", "overlap_1f1b", "schedules")
 
 
-def install_shim(torch):
-    from torch.overrides import TorchFunctionMode
+def counting_on_cpu(torch):
+    """megatron_p2p.megatron_on_cpu() (the package's CPU shim, as a user runs it), with
+    torch.cuda.synchronize and NVTX's range_push / range_pop counted in COUNTS."""
+    from unittest import mock
 
-    torch.cuda.current_device = lambda: 0
+    import megatron_p2p
 
-    def synchronize(device=None):
-        COUNTS["synchronize"] += 1
+    def counter(name):
+        return lambda *args, **kwargs: COUNTS.__setitem__(name, COUNTS[name] + 1)
 
-    def push(msg):
-        COUNTS["nvtx_push"] += 1
+    @contextlib.contextmanager
+    def on_cpu():
+        with megatron_p2p.megatron_on_cpu(), \
+                mock.patch.object(torch.cuda, "synchronize", counter("synchronize")), \
+                mock.patch.object(torch.cuda.nvtx, "range_push", counter("nvtx_push")), \
+                mock.patch.object(torch.cuda.nvtx, "range_pop", counter("nvtx_pop")):
+            yield
 
-    def pop():
-        COUNTS["nvtx_pop"] += 1
-
-    torch.cuda.synchronize = synchronize
-    torch.cuda.nvtx.range_push = push
-    torch.cuda.nvtx.range_pop = pop
-
-    def is_cuda(d):
-        if isinstance(d, int) and not isinstance(d, bool):
-            return True
-        if isinstance(d, str):
-            return d.startswith("cuda")
-        return isinstance(d, torch.device) and d.type == "cuda"
-
-    class CudaToCpu(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if is_cuda(kwargs.get("device")):
-                kwargs = {**kwargs, "device": "cpu"}
-            return func(*args, **kwargs)
-
-    return CudaToCpu
+    return on_cpu
 
 
 class Timers:
@@ -853,11 +834,11 @@ _PREPARED: dict[str, Any] = {}
 
 def prepare():
     """The CPU shim and the imports: before the process group, so slow imports on a loaded
-    machine do not eat into the first collective's timeout. Returns the shim's TorchFunctionMode."""
+    machine do not eat into the first collective's timeout. Returns the shim (counting_on_cpu)."""
     if "mode" not in _PREPARED:
         import torch
 
-        _PREPARED["mode"] = install_shim(torch)
+        _PREPARED["mode"] = counting_on_cpu(torch)
         from megatron.core.pipeline_parallel import schedules  # noqa: F401
 
         import megatron_p2p  # noqa: F401
@@ -874,18 +855,18 @@ def run_all(params, backend, seconds=None):
 
     import megatron_p2p as mp
 
-    CudaToCpu = prepare()
+    on_cpu = prepare()
     rank = dist.get_rank()
     world_group = dist.new_group([0, 1, 2, 3])
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     selves = [dist.new_group([r]) for r in range(4)]
     ctx = {"torch": torch, "dist": dist, "mp": mp, "rank": rank, "timeout": params["timeout"],
-           "McoreP2P": McoreP2P, "MPC": ModelParallelConfig, "cuda_to_cpu": CudaToCpu,
+           "McoreP2P": McoreP2P, "MPC": ModelParallelConfig, "cuda_to_cpu": on_cpu,
            "world_group": world_group, "pairs": pairs, "self_group": selves[rank],
            "groups": {(0, 1, 2, 3): world_group, (0, 1): pairs[0], (2, 3): pairs[1]},
            "hidden": params["hidden"], "microbatches": params["microbatches"],
            "schedule_names": params.get("schedule_names"), "backend": backend,
-           "on_our_device": CudaToCpu if backend.nccl else contextlib.nullcontext}
+           "on_our_device": on_cpu if backend.nccl else contextlib.nullcontext}
     sections = [("methods", section_methods), ("pp2", section_pp2), ("modes", section_modes),
                 ("cuda_only", section_cuda_only), ("overlap_1f1b", section_overlap_1f1b),
                 ("logging", section_logging), ("registry", section_registry), ("ops", section_ops),
