@@ -29,6 +29,7 @@ EXIT_DUMP, EXIT_CLOSE, EXIT_STOP = range(3)  # the exit hook's stages, in the or
 _lock = threading.Lock()
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 _named: dict[tuple[int, ...], Communicator] = {}
+_closed_named: set[tuple[int, ...]] = set()  # ranks whose named communicator was closed and let go
 _kept_to_exit: list[Communicator] = []
 _at_exit: dict[int, list[Callable[[], object]]] = {EXIT_DUMP: [], EXIT_CLOSE: [], EXIT_STOP: []}
 
@@ -49,6 +50,7 @@ def name(comm: Communicator) -> None:
     """Names `comm` for its ranks (register_communicator), in place of any named before."""
     with _lock:
         _named[tuple(comm.ranks)] = comm
+        _closed_named.discard(tuple(comm.ranks))
 
 
 def named(ranks: tuple[int, ...]) -> Communicator | None:
@@ -57,8 +59,15 @@ def named(ranks: tuple[int, ...]) -> Communicator | None:
         comm = _named.get(ranks)
         if comm is not None and comm.closed:
             del _named[ranks]  # closed: no longer kept
+            _closed_named.add(ranks)
             comm = None
         return comm
+
+
+def was_closed(ranks: tuple[int, ...]) -> bool:
+    """Whether a communicator over exactly `ranks` was named and closed, or is closed and alive."""
+    with _lock:
+        return ranks in _closed_named or any(c.closed and tuple(c.ranks) == ranks for c in _live)
 
 
 def keep_to_exit(comm: Communicator) -> bool:

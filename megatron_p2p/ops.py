@@ -61,8 +61,10 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     comm = find_communicator(ranks)
     if comm is not None:
         return comm
-    raise RuntimeError(
-        f"no megatron_p2p communicator spans global ranks {list(ranks)}. Create it on every member of the group, "
+    raise _C.P2PError(
+        f"no megatron_p2p communicator spans global ranks {list(ranks)}"
+        + (f": the communicator over global ranks {list(ranks)} was closed" if _registry.was_closed(ranks) else "")
+        + ". Create it on every member of the group, "
         "before the first exchange: comm = megatron_p2p.init_communicator(group) (keep a reference) or "
         "megatron_p2p.register_communicator(megatron_p2p.init_communicator(group)). Communicators are never "
         "created at first use: ranks that reach first use in different orders would hang."

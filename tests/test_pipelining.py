@@ -81,8 +81,15 @@ def test_non_contiguous_activations_and_gradients_travel_as_their_values(jobs, p
 def test_a_group_without_a_communicator_is_named(jobs):
     for res in jobs[2]:
         err = res["no_comm"]
-        assert err["type"] == "RuntimeError" and "no megatron_p2p communicator spans global ranks [0, 1]" in err["msg"]
-        assert "init_communicator" in err["msg"]
+        assert err["type"] == "P2PError" and "no megatron_p2p communicator spans global ranks [0, 1]" in err["msg"]
+        assert "init_communicator" in err["msg"] and "was closed" not in err["msg"]
+
+
+def test_a_group_whose_communicator_was_closed_is_told_so(jobs):
+    for res in jobs[2]:
+        err = res["closed_comm"]
+        assert err["type"] == "P2PError", err
+        assert "the communicator over global ranks [0, 1] was closed" in err["msg"] and "init_communicator" in err["msg"]
 
 
 def test_defer_pp_recv_cycle_raises_deadlock_error_naming_it_within_a_second(jobs):

@@ -194,6 +194,8 @@ def body(params):
     out: dict[str, Any] = {"runs": {}}
     with mp.patch_pipelining():  # no communicator yet: the first-step vote's first call says so
         out["no_comm"] = harness.caught(lambda: run_once(torch, nn, pipelining, params["configs"][0], seed=7))
+    mp.register_communicator(mp.init_communicator(timeout=params["timeout"])).close()
+    out["closed_comm"] = harness.caught(lambda: mp.isend(torch.ones(1), 1 - dist.get_rank()))
     comm = mp.register_communicator(mp.init_communicator(timeout=params["timeout"]))
     if params.get("peers"):
         out["peers"] = peers(torch, dist, mp)
