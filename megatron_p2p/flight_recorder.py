@@ -73,6 +73,8 @@ def dump(comm: Any, reason: str, error: str | None = None) -> Path | None:
         tmp = directory / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_text(_to_json(record))
         os.replace(tmp, path)
+        _log.warning("megatron_p2p: wrote the flight recorder of communicator %s (%s) to %s", record["communicator"],
+                     reason, path)
         return path
     except Exception as exc:  # noqa: BLE001 - a failed dump must not replace the error being reported
         _log.warning("megatron_p2p: could not write the trace dump (%s): %s", reason, exc)

@@ -4,6 +4,7 @@ schedules, a reduced grid, and random programs cross-checked against an exhausti
 with lanes side by side and serialized in issue order (--serialize-lanes)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -587,3 +588,25 @@ def test_malformed_packed_streams_are_rejected_never_crash():
             assert str(e).startswith(f"packed program: rank {r}, value ")
             rejected += 1
     assert rejected > 50
+
+
+class _Stream(io.StringIO):
+    def __init__(self, terminal: bool):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_the_grid_shows_its_progress_on_a_terminal_and_clears_it():
+    stream = _Stream(terminal=True)
+    results = check.grid_results(full=False, family="megatron", progress_to=stream)
+    shown = stream.getvalue()
+    assert f"\rgrid: {len(results)} of {len(results)} configs checked" in shown and shown.endswith("\r\033[K")
+
+
+def test_the_grid_prints_no_progress_where_its_output_is_not_a_terminal():
+    stream = _Stream(terminal=False)
+    check.grid_results(full=False, family="megatron", progress_to=stream)
+    assert stream.getvalue() == ""

@@ -60,3 +60,36 @@ def test_a_deadlock_replay_names_the_cycle_well_before_the_timeout(verdicts):
     record = next(rec for f, (c, r, rec) in verdicts.items() if Path(f).name == "naive_send_first_ring.json")
     messages = "\n".join(record["errors"].values())
     assert "DeadlockError" in messages and "deadlock: ranks 0 -> 1 -> 2 -> 3 -> 0" in messages, messages
+
+
+def replay_command(*files: Path, limit: float = 120.0) -> tuple[int, str, str]:
+    """`python -m megatron_p2p.replay FILE...` as a user types it (it starts its own torchrun), in a
+    session of its own that is killed whole on the limit."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_p2p.replay", *map(str, files)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"replay passed its {limit:.0f} s limit\n{out[-3000:]}\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.torchrun
+def test_the_replay_command_ends_with_the_verdict_and_exits_with_it():
+    code, out, err = replay_command(PROGRAMS / "torch_defer_pp_recv_interleaved_pp2.json")
+    assert code == 1, out + err
+    lines = out.rstrip().splitlines()
+    assert lines[0].endswith("torch_defer_pp_recv_interleaved_pp2.json: DEADLOCK (ranks 0, 1)"), out
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+
+
+@pytest.mark.torchrun
+def test_the_replay_command_of_a_completing_program_says_ok_and_exits_0():
+    code, out, err = replay_command(PROGRAMS / "torch_interleaved_pp2.json")
+    assert code == 0 and out.rstrip().splitlines()[-1] == "replay: ok", out + err

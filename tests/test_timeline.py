@@ -73,6 +73,27 @@ def test_check_timeline_json_marks_the_ring_cycle(tmp_path, capsys):
     assert all(e["args"]["done_round"] is None for e in spans)
 
 
+def test_check_names_the_timeline_it_wrote_on_stderr(tmp_path, capsys):
+    out = tmp_path / "parity.json"
+    assert check.main([str(PROGRAMS / "parity_ring.json"), "--timeline", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err == f"check: wrote {out}\n"
+
+
+def test_check_without_a_timeline_names_no_file(capsys):
+    assert check.main([str(PROGRAMS / "parity_ring.json")]) == 0
+    assert "wrote" not in capsys.readouterr().err
+
+
+def test_trace_names_the_timeline_it_wrote_on_stderr(tmp_path, capsys):
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    clean_pair(dumps)
+    out = tmp_path / "t.json"
+    assert trace.main([str(dumps), "--timeline", str(out)]) == 0
+    assert capsys.readouterr().err == f"trace: wrote {out}\n"
+
+
 def test_check_timeline_json_of_a_completing_program_marks_nothing(tmp_path, capsys):
     out = tmp_path / "parity.json"
     assert check.main([str(PROGRAMS / "parity_ring.json"), "--timeline", str(out)]) == 0

@@ -461,7 +461,8 @@ def test_program_of_several_communicators_needs_one_named(tmp_path, run_cli):
     out = tmp_path / "out.json"
     cli = run_cli(str(tmp_path), "--program", str(out))
     assert cli.returncode == 2 and "name one with --communicator" in cli.stderr and not out.exists()
-    assert run_cli(str(tmp_path), "--program", str(out), "--communicator", COMM).returncode == 0
+    done = run_cli(str(tmp_path), "--program", str(out), "--communicator", COMM)
+    assert done.returncode == 0 and f"trace: wrote {out}" in done.stderr
     assert program.load(out).size == 2
 
 

@@ -29,9 +29,9 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
-from ._cli import tool_parser
+from ._cli import tool_parser, wrote
 from .program import LANES, MODES, ProgramError, dumps, load
 from .simulate import Verdict, simulate
 
@@ -61,6 +61,7 @@ def _simulate(program: Any, serialize_lanes: bool, timeline_path: str | None, ti
         from . import timeline
 
         timeline.write(timeline.of_simulation(program, verdict, title), timeline_path)
+        wrote("check", timeline_path)
     return verdict
 
 
@@ -135,6 +136,7 @@ def check_schedule(config: Config, as_json: bool, dump: str | None, serialize_la
         except OSError as e:
             print(f"error: cannot write {dump}: {e.strerror or e}", file=sys.stderr)
             return 2
+        wrote("check", dump)
     verdict = _simulate(program, serialize_lanes, timeline_path, _describe(config))
     if as_json:
         print(json.dumps(_record(verdict, schedule=config, file=dump)))
@@ -190,11 +192,11 @@ def _grid_configs(full: bool, family: str) -> list[Config]:
 
 
 def grid_results(full: bool = True, jobs: int = 1, serialize_lanes: bool = False,
-                 family: str = "megatron") -> list[Result]:
+                 family: str = "megatron", progress_to: TextIO | None = None) -> list[Result]:
     """(config, verdict, summary, ops) for every config of the grid megatron-core accepts
     (family "megatron"), of torch's rows ("torch": verdict "skip" where torch refuses the
     configuration), or both ("all"); serialize_lanes: each rank's lanes run in one queue in
-    issue order."""
+    issue order; progress_to: a terminal to show the progress on."""
     groups: dict[tuple[tuple[str, Any], ...], list[Config]] = defaultdict(list)
     for c in _grid_configs(full, family):
         if "skip" not in c:  # torch's rows share their action lists across defer and eager
@@ -204,14 +206,27 @@ def grid_results(full: bool = True, jobs: int = 1, serialize_lanes: bool = False
     ordered = sorted(groups.values(), key=lambda g: -g[0]["pp"] * g[0].get("vpp", 1) * (g[0].get("microbatches") or 0))
     work = [(group, serialize_lanes) for group in ordered]
     results: list[Result] = []
+    total = sum(len(group) for group in ordered)
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
             for part in pool.imap_unordered(_run_group, work):
                 results.extend(part)
+                progress(len(results), total, progress_to)
     else:
         for group in work:
             results.extend(_run_group(group))
+            progress(len(results), total, progress_to)
+    progress(None, total, progress_to)
     return results
+
+
+def progress(done: int | None, total: int, stream: TextIO | None) -> None:
+    """The grid's progress, rewritten in place on `stream` when it is a terminal; nothing when it
+    is not (a log or a pipe gets the result lines only). done None: the line is cleared."""
+    if stream is None or not stream.isatty():
+        return
+    stream.write("\r\033[K" if done is None else f"\rgrid: {done} of {total} configs checked")
+    stream.flush()
 
 
 def run_grid(full: bool, jobs: int, as_json: bool, serialize_lanes: bool = False, family: str = "all") -> int:
@@ -220,7 +235,7 @@ def run_grid(full: bool, jobs: int, as_json: bool, serialize_lanes: bool = False
     defer_pp_recv fails (defer_pp_recv's failures are what the torch table shows)."""
     start = time.perf_counter()
     skipped = [c for c in _grid_configs(full, family) if "skip" in c]
-    everything = grid_results(full, jobs, serialize_lanes, family)
+    everything = grid_results(full, jobs, serialize_lanes, family, progress_to=sys.stderr)
     elapsed = time.perf_counter() - start
     refused = [r for r in everything if r[1] == "skip"]
     results = [r for r in everything if r[1] != "skip"]

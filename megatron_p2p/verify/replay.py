@@ -1,4 +1,6 @@
-"""Runs program files on a real backend: `torchrun --nproc-per-node N -m megatron_p2p.replay FILE...`
+"""Runs program files on a real backend: `python -m megatron_p2p.replay FILE...` starts as many
+ranks as the largest program has, under torchrun, and ends with the verdict; or, in a job you
+launch yourself, `torchrun --nproc-per-node N -m megatron_p2p.replay FILE...`.
 
 Each rank posts what the program says it posts (exchange calls through `comm.exchange`, steps
 through `comm.batch` on their lane), waits where it says, and checks every received byte: a send
@@ -13,12 +15,14 @@ error each rank raised, and exits 1. `--json` prints one object per file instead
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import sys
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -208,17 +212,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("shm", "nccl"), default="shm")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may block (default 60)")
     parser.add_argument("--json", action="store_true", help="one JSON object per file, as check --json prints")
+    parser.add_argument("--verdict-file", help=argparse.SUPPRESS)  # from _launch: rank 0 leaves its exit status there
     args = parser.parse_args(argv)
     if not args.timeout > 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
-    if "WORLD_SIZE" not in os.environ:
-        parser.error("run it under torchrun: torchrun --nproc-per-node N -m megatron_p2p.replay FILE")
-    world = int(os.environ["WORLD_SIZE"])
     try:
         programs = [prog.load(path) for path in args.files]
     except (OSError, prog.ProgramError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
+    if "WORLD_SIZE" not in os.environ:
+        return _launch(list(sys.argv[1:] if argv is None else argv), max(p.size for p in programs))
+    world = int(os.environ["WORLD_SIZE"])
     for path, program in zip(args.files, programs):
         problem = None
         if program.size > world:
@@ -256,7 +261,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("replay: ok")
     dist.barrier()
     dist.destroy_process_group()
-    return 1 if failed and me == 0 else 0
+    status = 1 if failed and me == 0 else 0
+    if args.verdict_file is not None:  # launched by _launch, which exits with it: torchrun sees success
+        if me == 0:
+            Path(args.verdict_file).write_text(str(status))
+        return 0
+    return status
+
+
+def _launch(argv: list[str], nproc: int) -> int:
+    """Runs this command under torchrun on `nproc` ranks and exits with rank 0's verdict, so that
+    the verdict is the last thing printed: a failed rank's status would bring torchrun's own
+    report of the failure after it."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mp2p-replay-") as tmp:
+        verdict = Path(tmp) / "status"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "megatron_p2p.replay", "--verdict-file", str(verdict), *argv]
+        done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        if verdict.exists():
+            return int(verdict.read_text())
+        print(f"replay: the ranks ended without a verdict (torchrun exited with status {done.returncode})",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

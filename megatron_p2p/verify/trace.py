@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..flight_recorder import FORMAT, REASONS
 from . import program as prog
 from . import timeline
-from ._cli import tool_parser
+from ._cli import tool_parser, wrote
 from .simulate import CycleRank, cycle_report, simulate
 
 if TYPE_CHECKING:
@@ -650,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.program:
             program = to_program(dumps, args.communicator)
             Path(args.program).write_text(prog.dumps(program))
+            wrote("trace", args.program)
         if args.timeline:
             groups = _groups(dumps, args.communicator)
             if len(groups) > 1:
@@ -657,6 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"{sorted(gr[0].communicator for gr in groups)}; name one with --communicator "
                                  "for --timeline")
             timeline.write(timeline.of_trace(groups[0], report, args.dir), args.timeline)
+            wrote("trace", args.timeline)
     except TraceError as exc:
         print(f"trace: error: {exc}", file=sys.stderr)
         return 2
