@@ -209,7 +209,7 @@ lint: $(LINT_DEPS) $(TESTING)
 # -Wno-tsan: TSAN does not model the seqlock's fences, which pair with readers in other processes
 # that it cannot see anyway.
 # The shm transport and the core it needs: no Python.
-ENGINE_SOURCES := $(wildcard csrc/shm/*.c) $(addprefix csrc/core/,dtype.c result.c plan.c waitfor.c cycle_report.c)
+ENGINE_SOURCES := $(wildcard csrc/shm/*.c) $(addprefix csrc/core/,dtype.c result.c plan.c waitfor.c cycle_report.c shape.c)
 ENGINE_CFLAGS := -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -g -Icsrc -pthread
 ENGINE_PROGRAM = mkdir -p $(@D) && gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SOURCES)
 %/shm_engine_stress: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*/*.h)

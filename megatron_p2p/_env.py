@@ -71,8 +71,9 @@ VARIABLES: tuple[Variable, ...] = (
              "tears the job down, raise leaves the error for the communicator's next call.",
              choices=("end", "raise"), shown_default="end under torchrun, else raise"),
     Variable("MEGATRON_P2P_CHECK", "flag", "0",
-             "NCCL debug matching: each step's descriptors are compared with the receiver's before its data moves "
-             "(shm always compares bytes and dtype)."),
+             "Debug matching: on NCCL each step's descriptors are compared with the receiver's before its data "
+             "moves; shm, which always compares bytes and dtype, compares shapes too. A disagreement is a "
+             "MismatchError naming both sides on both ranks."),
     Variable("MEGATRON_P2P_SHM_SINGLE_COPY", "flag", "1",
              "0: large shm messages go through a shared bounce buffer (two copies) instead of single-copy "
              "process_vm_readv reads, which the transport also falls back to by itself, per peer, where the kernel "

@@ -168,7 +168,7 @@ def init_communicator(
         shm_arena_bytes = _arena_bytes(arena_bytes)
     # Each backend's variable, read before the collective part too: a wrong value fails here.
     single_copy = backend == "shm" and _env.flag(ENV_SINGLE_COPY)
-    check = backend == "nccl" and _env.flag(ENV_CHECK)
+    check = _env.flag(ENV_CHECK)
 
     store, me, ranks = _store_and_ranks(group)
     group_rank = ranks.index(me)
@@ -200,7 +200,7 @@ def init_communicator(
         if backend == "shm":
             comm = _C.Communicator(
                 "shm", unique_id, group_rank, ranks, eager_threshold=eager_threshold,
-                single_copy=single_copy, pids=pids, arena_bytes=shm_arena_bytes,
+                single_copy=single_copy, pids=pids, arena_bytes=shm_arena_bytes, check=check,
                 **common,
             )
         else:

@@ -67,6 +67,28 @@ def test_size_mismatch_raises_on_both_ranks_naming_ranks_and_sizes(cases, case):
         assert "P2PError" in r["mro"]
 
 
+@pytest.mark.parametrize("size, sent, expected", [("small", "[10, 20]", "[20, 10]"),
+                                                  ("large", "[512, 1024]", "[1024, 512]")])
+def test_with_debug_matching_a_shape_disagreement_of_the_same_bytes_fails_on_both_ranks_naming_both(cases, size, sent,
+                                                                                                     expected):
+    sender, receiver = (r[f"check=1 {size} transposed"] for r in section(cases, "shapes"))
+    for res in (sender, receiver):
+        assert_raised(res, "MismatchError", f"shape {sent}", f"shape {expected}", "debug matching compares shapes")
+    assert "rank 1's irecv expects shape" in sender["msg"] and "rank 0's isend sent shape" in receiver["msg"]
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_with_debug_matching_agreeing_shapes_deliver(cases, size):
+    sender, receiver = (r[f"check=1 {size} agree"] for r in section(cases, "shapes"))
+    assert sender["type"] is None and receiver["type"] is None and receiver["arrived"], (sender, receiver)
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_without_debug_matching_the_same_bytes_in_another_shape_are_delivered(cases, size):
+    sender, receiver = (r[f"check=0 {size} transposed"] for r in section(cases, "shapes"))
+    assert sender["type"] is None and receiver["type"] is None and receiver["arrived"], (sender, receiver)
+
+
 def test_a_mismatch_stays_a_mismatch_error_for_the_sender_when_the_receiver_then_closes(cases):
     """The receiver answers with a mismatch and closes with an op pending before the sender's
     engine runs again: the sender still gets MismatchError, not the close's abort."""

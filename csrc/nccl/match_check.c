@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "core/dtype.h"
+#include "core/shape.h"
 
 void mp_check_describe(const mp_op *op, mp_check_desc *out)
 {
@@ -20,37 +21,12 @@ void mp_check_describe(const mp_op *op, mp_check_desc *out)
     out->call_name[sizeof out->call_name - 1] = '\0';
 }
 
-static void format_shape(int ndim, const int64_t *shape, char *buf, size_t len)
-{
-    if (ndim < 0) {
-        snprintf(buf, len, "?");
-        return;
-    }
-    size_t used = (size_t)snprintf(buf, len, "[");
-    for (int d = 0; d < ndim && d < MP_MAX_DIMS && used < len; d++)
-        used += (size_t)snprintf(buf + used, len - used, d ? ", %lld" : "%lld", (long long)shape[d]);
-    if (used < len)
-        snprintf(buf + used, len - used, "]");
-}
-
-static int same_shape(const mp_check_desc *sent, const mp_op *op)
-{
-    if (sent->ndim < 0 || op->ndim < 0)
-        return 1; /* one side could not say: bytes and dtype decide */
-    if (sent->ndim != op->ndim)
-        return 0;
-    for (int d = 0; d < op->ndim && d < MP_MAX_DIMS; d++)
-        if (sent->shape[d] != op->shape[d])
-            return 0;
-    return 1;
-}
-
 int mp_check_compare(const mp_check_desc *sent, int sender, const mp_op *op, int receiver, char *detail, size_t len)
 {
     int valid = sent->magic == MP_CHECK_MAGIC && sent->label >= 0 && sent->label < MP_NUM_LABELS &&
                 sent->ndim <= MP_MAX_DIMS;
     if (valid && sent->nbytes == op->nbytes && sent->dtype == op->dtype && sent->seq == op->seq &&
-        same_shape(sent, op))
+        mp_same_shape(sent->ndim, sent->shape, op->ndim, op->shape))
         return 0;
     if (!valid) {
         snprintf(detail, len, "debug matching: rank %d's %s #%llu received no valid descriptor from rank %d: its op "
@@ -59,8 +35,8 @@ int mp_check_compare(const mp_check_desc *sent, int sender, const mp_op *op, int
         return -1;
     }
     char theirs[160], mine[160];
-    format_shape(sent->ndim, sent->shape, theirs, sizeof theirs);
-    format_shape(op->ndim, op->shape, mine, sizeof mine);
+    mp_format_shape(sent->ndim, sent->shape, theirs, sizeof theirs);
+    mp_format_shape(op->ndim, op->shape, mine, sizeof mine);
     snprintf(detail, len, "debug matching: rank %d's %s #%llu (call %s) sends %llu bytes of %s, shape %s; rank %d's %s "
              "#%llu (call %s) receives %llu bytes of %s, shape %s",
              sender, mp_label_name((mp_label)sent->label), (unsigned long long)sent->seq,

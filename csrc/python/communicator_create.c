@@ -172,6 +172,7 @@ static mp_result open_shm(CommObject *self, PyObject *unique_id, int single_copy
         .global_rank = self->global_ranks[self->group_rank],
         .pids = pids,
         .arena_bytes = arena_bytes,
+        .check = self->check,
     };
     mp_interrupt interrupt;
     cfg.interrupt = &interrupt;
@@ -228,9 +229,6 @@ PyObject *mp_comm_create(PyTypeObject *type, PyObject *args, PyObject *kwargs, c
     if (arena_bytes > MP_ARENA_MAX_BYTES)
         return PyErr_Format(PyExc_ValueError, "arena_bytes must be an int in [0, %llu], got %llu",
                             MP_ARENA_MAX_BYTES, arena_bytes);
-    if (check && !is_nccl)
-        return PyErr_Format(PyExc_ValueError, "check (debug matching) is for backend 'nccl'; shm always compares "
-                            "bytes and dtype");
 
     CommObject *self = (CommObject *)type->tp_alloc(type, 0);
     if (!self)

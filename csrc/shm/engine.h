@@ -47,6 +47,7 @@ typedef struct {
     mp_transport base;
     shm_view v;
     uint64_t eager_threshold;
+    int check; /* debug matching: descriptors carry shapes, and receivers compare them */
     int *pidfds;      /* per peer, -1 where pidfd_open is unavailable */
     pid_t *pids;
     chan_local *out;  /* [lane][peer] */

@@ -10,6 +10,7 @@
 
 #include "core/clock.h"
 #include "core/dtype.h"
+#include "core/shape.h"
 
 /* mp_op.offered of a receive: whether it has told its sender where its buffer is. */
 enum { OFFER_NONE = 0, OFFER_MADE, OFFER_DECLINED };
@@ -98,6 +99,10 @@ void shm_post_descriptor(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_loc
     sl->addr = (uint64_t)(uintptr_t)op->buf;
     sl->result = MP_OK;
     sl->path = path;
+    sl->ndim = s->check ? op->ndim : -1;
+    for (int d = 0; d < sl->ndim; d++)
+        sl->shape[d] = op->shape[d];
+    sl->recv_ndim = -1;
     if (path == SHM_PATH_INLINE && op->nbytes)
         memcpy(shm_inline_at(&s->v, c, op->seq), op->buf, op->nbytes);
     atomic_store_explicit(&ch->posted, op->seq + 1, memory_order_release);
@@ -215,14 +220,30 @@ static int settle_send(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_lo
     if (result == MP_ERR_MISMATCH && (recv_dtype < 0 || recv_dtype >= MP_NUM_DTYPES || recv_label >= MP_NUM_LABELS))
         return shm_found_corrupt(s, "receiver's dtype %d / label %u of message #%llu to rank %d", recv_dtype,
                                  recv_label, (unsigned long long)op->seq, op->peer_global);
+    int32_t recv_ndim = sl->recv_ndim;
+    if (result == MP_ERR_MISMATCH && (recv_ndim < -1 || recv_ndim > MP_MAX_DIMS))
+        return shm_found_corrupt(s, "receiver's ndim %d of message #%llu to rank %d", recv_ndim,
+                                 (unsigned long long)op->seq, op->peer_global);
+    int64_t recv_shape[MP_MAX_DIMS] = {0};
+    for (int d = 0; d < recv_ndim; d++)
+        recv_shape[d] = sl->recv_shape[d];
+    int shapes_differ = recv_ndim >= 0 && !mp_same_shape(s->check ? op->ndim : -1, op->shape, recv_ndim, recv_shape);
     /* A receiver that expects exactly what was sent saw another descriptor than this rank wrote. */
-    if (result == MP_ERR_MISMATCH && sl->recv_nbytes == op->nbytes && recv_dtype == op->dtype)
+    if (result == MP_ERR_MISMATCH && sl->recv_nbytes == op->nbytes && recv_dtype == op->dtype && !shapes_differ)
         return shm_found_corrupt(s, "descriptor of message #%llu to rank %d: nbytes or dtype changed after this "
                                  "rank wrote %llu bytes of %s (the receiver expects those, and read others)",
                                  (unsigned long long)op->seq, op->peer_global, (unsigned long long)op->nbytes,
                                  mp_dtype_name(op->dtype));
     mp_result r = (mp_result)result;
-    if (r == MP_ERR_MISMATCH)
+    if (r == MP_ERR_MISMATCH && shapes_differ && sl->recv_nbytes == op->nbytes) {
+        char theirs[64], mine[64]; /* a longer shape is cut: the report stays one line */
+        mp_format_shape(recv_ndim, recv_shape, theirs, sizeof theirs);
+        mp_format_shape(op->ndim, op->shape, mine, sizeof mine);
+        snprintf(op->detail, sizeof op->detail, "rank %d's %s expects shape %s; this rank sent shape %s (both %llu "
+                 "bytes of %s; debug matching compares shapes)", op->peer_global,
+                 mp_label_name((mp_label)recv_label), theirs, mine, (unsigned long long)op->nbytes,
+                 mp_dtype_name(op->dtype));
+    } else if (r == MP_ERR_MISMATCH)
         snprintf(op->detail, sizeof op->detail,
                  "rank %d's %s expects %llu bytes of %s; this rank sent %llu bytes of %s", op->peer_global,
                  mp_label_name((mp_label)recv_label), (unsigned long long)sl->recv_nbytes,
@@ -302,6 +323,7 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
     uint64_t nbytes = sl->nbytes, addr = sl->addr;
     int32_t dtype = sl->dtype;
     uint32_t path = sl->path, label = sl->label;
+    int32_t ndim = sl->ndim;
     int offered = op->offered == OFFER_MADE;
     op->offered = OFFER_NONE; /* the sender has chosen: it writes into the buffer no more */
     int copies = path == SHM_PATH_CMA || path == SHM_PATH_BOUNCE;
@@ -313,18 +335,35 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
                     : path == SHM_PATH_ARENA && (!offered || nbytes != op->nbytes || dtype != op->dtype)
                         ? "path (the arena holds no message of this receive)"
                     : copies && (addr >= USER_SPACE_END || nbytes > USER_SPACE_END - addr) ? "addr"
+                    : ndim < -1 || ndim > MP_MAX_DIMS                                   ? "ndim"
                                                                                           : NULL;
     if (bad)
         return shm_found_corrupt(s, "descriptor of message #%llu from rank %d: %s (path %u, %llu bytes of dtype %d at "
                                  "%#llx, label %u)", (unsigned long long)op->seq, op->peer_global, bad, path,
                                  (unsigned long long)nbytes, dtype, (unsigned long long)addr, label);
-    if (nbytes != op->nbytes || dtype != op->dtype) {
+    int64_t shape[MP_MAX_DIMS] = {0};
+    for (int d = 0; d < ndim; d++)
+        shape[d] = sl->shape[d];
+    int shapes_differ = s->check && !mp_same_shape(ndim, shape, op->ndim, op->shape);
+    if (nbytes != op->nbytes || dtype != op->dtype || shapes_differ) {
         sl->recv_nbytes = op->nbytes;
         sl->recv_dtype = op->dtype;
         sl->recv_label = (uint32_t)op->label;
-        snprintf(op->detail, sizeof op->detail, "rank %d's %s sent %llu bytes of %s; this rank expects %llu bytes of %s",
-                 op->peer_global, mp_label_name((mp_label)label), (unsigned long long)nbytes,
-                 mp_dtype_name(dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
+        sl->recv_ndim = shapes_differ ? op->ndim : -1;
+        for (int d = 0; d < sl->recv_ndim; d++)
+            sl->recv_shape[d] = op->shape[d];
+        if (shapes_differ && nbytes == op->nbytes && dtype == op->dtype) {
+            char theirs[64], mine[64]; /* a longer shape is cut: the report stays one line */
+            mp_format_shape(ndim, shape, theirs, sizeof theirs);
+            mp_format_shape(op->ndim, op->shape, mine, sizeof mine);
+            snprintf(op->detail, sizeof op->detail, "rank %d's %s sent shape %s; this rank expects shape %s (both %llu "
+                     "bytes of %s; debug matching compares shapes)", op->peer_global, mp_label_name((mp_label)label),
+                     theirs, mine, (unsigned long long)nbytes, mp_dtype_name(dtype));
+        } else {
+            snprintf(op->detail, sizeof op->detail, "rank %d's %s sent %llu bytes of %s; this rank expects %llu bytes "
+                     "of %s", op->peer_global, mp_label_name((mp_label)label), (unsigned long long)nbytes,
+                     mp_dtype_name(dtype), (unsigned long long)op->nbytes, mp_dtype_name(op->dtype));
+        }
         if (path == SHM_PATH_BOUNCE) {
             op->phase = PH_SKIP; /* drain the sender's chunks so the channel stays in step */
             op->progress = 0;

@@ -211,6 +211,7 @@ mp_result mp_shm_open(const mp_shm_config *cfg, mp_transport **out, char *err, s
     s->base.nlanes = cfg->nlanes;
     s->base.buffered_at_most = cfg->eager_threshold;
     s->eager_threshold = cfg->eager_threshold;
+    s->check = cfg->check;
     pthread_mutex_init(&s->lock, NULL);
     pthread_mutex_init(&s->engine, NULL);
     size_t nchan = (size_t)cfg->nlanes * (size_t)cfg->size;

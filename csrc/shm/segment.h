@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "core/interrupt.h"
+#include "core/op.h"
 #include "core/result.h"
 
 #define SHM_MAGIC 0x6d70327073686d31ULL /* "mp2pshm1" */
@@ -80,6 +81,12 @@ typedef struct {
     uint64_t recv_nbytes;
     int32_t recv_dtype;
     uint32_t recv_label;
+    /* Debug matching (MEGATRON_P2P_CHECK=1) only: the sender's shape, and on a mismatch the
+     * receiver's; ndim -1 when that side does not compare shapes. */
+    int32_t ndim;
+    int32_t recv_ndim;
+    int64_t shape[MP_MAX_DIMS];
+    int64_t recv_shape[MP_MAX_DIMS];
 } shm_slot;
 
 /* A receive buffer in the receiver's arena, offered to the sender of message seq - 1. Rewritten

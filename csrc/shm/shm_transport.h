@@ -25,6 +25,7 @@ typedef struct {
     const int *pids;          /* each rank's pid, known before it attaches (may be NULL): a rank
                                * that dies before attaching is then reported, not waited for */
     uint64_t arena_bytes;     /* of this rank's receive arena, which its peers map; 0: none */
+    int check;                /* debug matching: shapes are compared too (bytes and dtype always are) */
 } mp_shm_config;
 
 #define MP_SHM_NAME_LEN 64

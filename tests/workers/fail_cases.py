@@ -7,6 +7,7 @@ of its own so that one failing section cannot hide the others:
   lifecycle  abort()/close() idempotent; the context manager closes
   abort      abort() on one rank fails the other rank's pending wait fast
   timeout    a receive with no sender times out with a report; the silent peer sees the abort
+  shapes     with MEGATRON_P2P_CHECK=1, a send and a receive of the same bytes in other shapes
   answered_then_closed  the receiver answers a send (mismatch, or matched) and then closes with
              an op pending while the sender is stopped: the sender gets the answer, not the close
   clean_exit a peer that closes its communicator and exits is not reported as dead (last: rank 1 exits)
@@ -23,7 +24,7 @@ from typing import Any
 import harness
 from harness import caught
 
-SECTIONS = ("mismatch", "bad_input", "lifetime", "lifecycle", "abort", "timeout", "answered_then_closed",
+SECTIONS = ("mismatch", "bad_input", "lifetime", "lifecycle", "abort", "timeout", "shapes", "answered_then_closed",
             "clean_exit")
 
 
@@ -179,6 +180,32 @@ def timeout(torch, mp, comm, secs):
         req = comm.irecv(torch.zeros(16, dtype=torch.int64), peer)  # from the rank that will time out
         time.sleep(secs + 1.0)
         out["silent_peer"] = caught(lambda: req.wait(timeout=120.0))
+    return out
+
+
+def shapes(torch, mp, comm):
+    """Rank 0 sends [rows, cols] float32, rank 1 receives into [cols, rows] (the [s, b, h] against
+    [b, s, h] bug: the same bytes), small (in the slot) and large (copied), on communicators made
+    with MEGATRON_P2P_CHECK=1; then each size with agreeing shapes, and with the transposed
+    shapes on a communicator without it."""
+    out = {}
+    for check in ("1", "0"):
+        os.environ["MEGATRON_P2P_CHECK"] = check
+        try:
+            c = mp.init_communicator(timeout=20.0)
+        finally:
+            del os.environ["MEGATRON_P2P_CHECK"]
+        for size, (rows, cols) in (("small", (10, 20)), ("large", (512, 1024))):
+            for agree in ((False, True) if check == "1" else (False,)):
+                sent = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+                buf = torch.zeros((rows, cols) if agree else (cols, rows))
+                if comm.rank == 0:
+                    res = caught(lambda: c.isend(sent, 1).wait())
+                else:
+                    res = caught(lambda: c.irecv(buf, 0).wait())
+                    res["arrived"] = torch.equal(buf.flatten(), sent.flatten())
+                out[f"check={check} {size} {'agree' if agree else 'transposed'}"] = res
+        c.close()
     return out
 
 
