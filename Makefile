@@ -7,7 +7,10 @@ BASE := $(VENV)/.base-installed
 DEPS := $(VENV)/.deps-installed
 EXT := build/.extension-installed
 SOURCES := $(wildcard csrc/*/*.c csrc/*/*.h) setup.py
-TEST_JOBS ?=
+# The suite runs on 2 pytest workers, each taking whole files (module fixtures run once): most of its
+# time is torchrun jobs starting up and waiting, which two at a time fill the 2 cores with.
+TEST_WORKERS ?= 2
+TEST_JOBS ?= -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all build docs fakes gpu-carry demo test test-fast test-torch-latest test-stress verify soak fuzz sanitize lint tsan bench bench-quick clean
 
@@ -27,7 +30,7 @@ $(BASE): pyproject.toml
 
 # What the tests add.
 $(DEPS): $(BASE)
-	$(PY) -m pip install --quiet pytest numpy matplotlib
+	$(PY) -m pip install --quiet pytest pytest-xdist==3.8.0 numpy matplotlib
 	# strace, for the test that no rank grants ptrace access beyond its peers (tests/test_security.py),
 	# where this user may install it; without it that test skips and says why.
 	command -v strace >/dev/null || (apt-get update && apt-get install -y strace) >/dev/null 2>&1 || \
@@ -116,12 +119,12 @@ test-torch-latest: $(TESTING) fakes
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST)/bin/python -m pip install --quiet --upgrade torch
-	$(LATEST)/bin/python -m pip install --quiet pytest numpy hypothesis==6.170.17
+	$(LATEST)/bin/python -m pip install --quiet pytest pytest-xdist==3.8.0 numpy hypothesis==6.170.17
 	$(LATEST)/bin/python -m pip install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(LATEST)/bin/python -m pip install --quiet --no-deps packaging
 	echo "$(CURDIR)" > "$$($(LATEST)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/megatron_p2p_source.pth"
 	$(LATEST)/bin/python -c 'import torch; print("torch", torch.__version__)'
-	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS)
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider $(TEST_JOBS) $(LATEST_TESTS)
 
 # The timing-sensitive tests (tests/stress.py lists them), STRESS_ROUNDS times, beside one
 # CPU-bound process per core: a test that assumes a timing fails here before CI meets it.
@@ -175,7 +178,7 @@ sanitize: $(DEPS) fakes
 	cd build/asan && PYTHONPATH=$(CURDIR)/build/asan LD_PRELOAD="$(ASAN_LIB)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider \
+	MEGATRON_P2P_EXPECT_SANITIZED=1 $(CURDIR)/$(PY) -m pytest -q -x -p no:cacheprovider $(TEST_JOBS) \
 	$(addprefix $(CURDIR)/,$(SANITIZE_TESTS))
 
 # Static analysis, which fails on any finding: gcc's analyzer over every source with the

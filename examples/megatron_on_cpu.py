@@ -67,8 +67,8 @@ def main():
         (loss_func(x)[0] / MICROBATCHES).backward()
     same = all(torch.allclose(p.grad, q.grad) for p, q in zip(model.parameters(), stages[rank].parameters()))
     if rank == pp - 1:
-        print("losses:", [round(float(d["loss"]), 6) for d in losses])
-    print(f"rank {rank}: gradients equal the one-process run: {same}")
+        print(f"losses: {[round(float(d['loss']), 6) for d in losses]}", flush=True)  # one write: ranks interleave
+    print(f"rank {rank}: gradients equal the one-process run: {same}", flush=True)
     dist.destroy_process_group()
     raise SystemExit(0 if same else 1)
 

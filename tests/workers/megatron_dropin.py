@@ -2,9 +2,9 @@
 shm), in one 4-rank job: importing megatron-core costs seconds per rank, so every section runs
 here and records "ok" with its value or the error it raised; the tests read their part.
 
-megatron-core is written for CUDA: its calls run inside megatron_p2p.megatron_on_cpu(), the
-package's CPU shim, with torch.cuda.synchronize and NVTX's push and pop counted
-(counting_on_cpu). Nothing else of megatron-core is changed.
+megatron-core is written for CUDA: its calls run inside the package's CPU shim (the replacements
+of megatron_p2p.megatron_on_cpu(), applied also where the NCCL model says CUDA is there), with
+torch.cuda.synchronize and NVTX's push and pop counted (counting_on_cpu). Nothing else of megatron-core is changed.
 
 Sections: methods (the nine methods, compared), pp2 (2-rank groups: batched pairing, shape
 exchange pairing, dtype disagreement), modes (what the shape exchange issues), cuda_only
@@ -32,18 +32,18 @@ NCCL_SECTIONS = ("methods", "pp2", "overlap_1f1b", "schedules")
 
 
 def counting_on_cpu(torch):
-    """megatron_p2p.megatron_on_cpu() (the package's CPU shim, as a user runs it), with
+    """megatron_p2p.megatron_on_cpu()'s replacements (the package's CPU shim), with
     torch.cuda.synchronize and NVTX's range_push / range_pop counted in COUNTS."""
     from unittest import mock
 
-    import megatron_p2p
+    from megatron_p2p import _megatron_cpu
 
     def counter(name):
         return lambda *args, **kwargs: COUNTS.__setitem__(name, COUNTS[name] + 1)
 
     @contextlib.contextmanager
     def on_cpu():
-        with megatron_p2p.megatron_on_cpu(), \
+        with _megatron_cpu.on_cpu(), \
                 mock.patch.object(torch.cuda, "synchronize", counter("synchronize")), \
                 mock.patch.object(torch.cuda.nvtx, "range_push", counter("nvtx_push")), \
                 mock.patch.object(torch.cuda.nvtx, "range_pop", counter("nvtx_pop")):
