@@ -20,10 +20,12 @@ DEFAULT_HANDLING = {k: v for k, v in FAKE_ENV.items() if k != "MEGATRON_P2P_ASYN
 
 def test_a_stalled_stream_ends_the_job_at_the_timeout_with_the_report_and_a_dump(tmp_path):
     start = time.monotonic()
-    job = run_job("nccl_model_watchdog.py", 2, {"timeout": [1.0, 30.0], "idle": 20.0}, timeout=60,
+    job = run_job("nccl_model_watchdog.py", 2, {"timeout": [1.0, 30.0], "idle": 40.0}, timeout=90,
                   env={**DEFAULT_HANDLING, **SILENT_PEER, "MEGATRON_P2P_TRACE_DIR": str(tmp_path)})
     elapsed = time.monotonic() - start
-    assert job.returncode != 0 and elapsed < 15.0, (elapsed, job.output[-3000:])  # not after the 20 s idle
+    # Not after the 40 s idle; the margin is the start-up of torch in each process on a loaded machine
+    # (16 s under make sanitize beside another test file).
+    assert job.returncode != 0 and elapsed < 30.0, (elapsed, job.output[-3000:])
     assert "exitcode  : 70" in job.output, job.output[-3000:]  # rank 0 ended itself, torchrun ended the job
     report = job.output[job.output.index("megatron_p2p watchdog: rank 0"):]
     assert "an op past its timeout" in report and "send_next to rank 1" in report, report[:2000]
