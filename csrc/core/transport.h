@@ -4,6 +4,7 @@
 #ifndef MP_TRANSPORT_H
 #define MP_TRANSPORT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -37,10 +38,11 @@ typedef struct {
      * still pending. One call is one wait: what the transport learns while blocked (a deadlock
      * search's rounds) lasts for all of it. */
     mp_result (*wait)(mp_transport *t, mp_op *op, double deadline, const mp_interrupt *interrupt);
-    /* Fails every pending op here and at every peer; the first cause recorded wins. `rank`: the
-     * group rank that caused it, or MP_RANK_OUTSIDE. `why` (may be NULL): the aborting rank's
-     * reason, which the failures quote. */
-    void (*abort)(mp_transport *t, mp_result cause, int rank, const char *why);
+    /* Fails every pending op here and at every peer; the first cause recorded wins, and the
+     * result says whether it was this call's (false: an earlier abort's stands, and it is the one
+     * the failures quote). `rank`: the group rank that caused it, or MP_RANK_OUTSIDE. `why` (may
+     * be NULL): the aborting rank's reason, which the failures quote. */
+    bool (*abort)(mp_transport *t, mp_result cause, int rank, const char *why);
     /* Why the communicator is unusable (MP_OK while it is usable), and which rank caused it. */
     mp_result (*abort_cause)(mp_transport *t, int *rank);
     /* One line on what is known of `op`'s peer, for timeout reports. */

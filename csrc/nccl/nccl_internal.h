@@ -96,7 +96,8 @@ nccl_why nccl_error(nccl_t *n, mp_ncclComm_t comm, mp_ncclResult_t r);
 mp_CUresult nccl_enter(nccl_t *n, mp_CUcontext *saved);
 void nccl_leave(nccl_t *n, mp_CUcontext saved);
 mp_result nccl_cause_of(mp_ncclResult_t r);
-void nccl_abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail);
+/* Records the first cause and fails every op; false when an abort came first (nothing changes). */
+bool nccl_abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail);
 mp_result nccl_fail_cuda(nccl_t *n, const char *what, mp_CUresult r);
 
 /* nccl_reaper.c: ncclCommAbort on a thread of its own, which may outlive the transport */

@@ -117,15 +117,16 @@ static void fail_all(nccl_t *n, mp_result r, const char *detail)
 /* Lock held; returns at once. The communicators go to the reaper (nccl_reaper.c), since
  * ncclCommAbort, which never waits for the peers, does wait for the graphs that captured work on
  * them; the ops fail now, and the peers hear of it through the caller's relay. */
-void nccl_abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail)
+bool nccl_abort_locked(nccl_t *n, mp_result cause, int rank, const char *detail)
 {
     if (n->cause != MP_OK)
-        return;
+        return false;
     n->cause = cause;
     n->cause_rank = rank;
     snprintf(n->cause_detail, sizeof n->cause_detail, "%s", detail);
     nccl_reap_start(n);
     fail_all(n, cause, n->cause_detail);
+    return true;
 }
 
 /* A failed CUDA call on the device path: nothing posted after it could complete. Lock held. */
@@ -137,7 +138,7 @@ mp_result nccl_fail_cuda(nccl_t *n, const char *what, mp_CUresult r)
     return MP_ERR_SYSTEM;
 }
 
-static void nccl_abort(mp_transport *t, mp_result cause, int rank, const char *why)
+static bool nccl_abort(mp_transport *t, mp_result cause, int rank, const char *why)
 {
     nccl_t *n = (nccl_t *)t;
     pthread_mutex_lock(&n->lock);
@@ -149,8 +150,9 @@ static void nccl_abort(mp_transport *t, mp_result cause, int rank, const char *w
     else
         snprintf(detail, sizeof detail, "%s (%s)%s%s", mp_result_str(cause), by, why && why[0] ? ": " : "",
                  why ? why : "");
-    nccl_abort_locked(n, cause, rank, detail);
+    bool first = nccl_abort_locked(n, cause, rank, detail);
     pthread_mutex_unlock(&n->lock);
+    return first;
 }
 
 static mp_result nccl_abort_cause(mp_transport *t, int *rank)

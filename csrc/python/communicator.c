@@ -112,7 +112,9 @@ static PyObject *comm_abort(CommObject *self, PyObject *args, PyObject *kwargs)
 
 /* Called by the process's watchdog thread. The check holds the GIL: it is short (the transport
  * never waits on the peers in it), and a close() meanwhile cannot free the transport. What it
- * finds is published to the peers (on_abort), then the transport is aborted. */
+ * finds is published to the peers (on_abort), then the transport is aborted. The ops run with
+ * the GIL released, so one of them may meet the same failure and abort first: then its report
+ * stands alone, and the watchdog's, which would say it again, is dropped. */
 static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignored))
 {
     mp_transport *t = self->transport;
@@ -131,7 +133,10 @@ static PyObject *comm_watchdog_check(CommObject *self, PyObject *Py_UNUSED(ignor
     if (!msg)
         return NULL;
     mp_comm_publish_abort(self, msg);
-    mp_comm_abort(self, cause, self->group_rank, detail);
+    if (!mp_comm_abort(self, cause, self->group_rank, detail)) {
+        Py_DECREF(msg);
+        Py_RETURN_NONE;
+    }
     Py_XSETREF(self->abort_report, Py_NewRef(msg));
     PyObject *exc = PyObject_CallOneArg(mp_failure_type(self->state, cause), msg);
     Py_DECREF(msg);

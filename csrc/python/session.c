@@ -276,15 +276,17 @@ void mp_comm_publish_abort(CommObject *self, PyObject *message)
     PyErr_Restore(type, value, tb);
 }
 
-void mp_comm_abort(CommObject *self, mp_result cause, int rank, const char *why)
+bool mp_comm_abort(CommObject *self, mp_result cause, int rank, const char *why)
 {
     mp_transport *t = self->transport ? mp_comm_enter(self) : NULL; /* closed: aborted already */
     if (!t)
-        return;
+        return false;
+    bool first;
     Py_BEGIN_ALLOW_THREADS /* the transport's lock is not taken holding the GIL */
-    t->ops->abort(t, cause, rank, why);
+    first = t->ops->abort(t, cause, rank, why);
     Py_END_ALLOW_THREADS
     mp_comm_leave(self);
+    return first;
 }
 
 void mp_comm_abort_for_timeout(CommObject *self, PyObject *message)

@@ -89,7 +89,7 @@ void mp_comm_trace_waited(CommObject *comm, const mp_op *op);
 /* Tells the other ranks (on_abort) that this rank aborted, and why. */
 void mp_comm_publish_abort(CommObject *comm, PyObject *message);
 /* Aborts the transport (nothing once closed), the GIL released. */
-void mp_comm_abort(CommObject *comm, mp_result cause, int rank, const char *why);
+bool mp_comm_abort(CommObject *comm, mp_result cause, int rank, const char *why);
 /* Tells the other ranks (on_abort), then aborts after a local timeout. */
 void mp_comm_abort_for_timeout(CommObject *comm, PyObject *message);
 

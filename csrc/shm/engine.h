@@ -109,7 +109,7 @@ void shm_fail_queue(shm_t *s, step_queue *q, mp_result r, const char *why);
 int shm_peer_exited(shm_t *s, int r);
 mp_result shm_abort_cause(mp_transport *t, int *rank);
 int shm_fail_unserved(shm_t *s, int departed);
-void shm_abort(mp_transport *t, mp_result cause, int rank, const char *why);
+bool shm_abort(mp_transport *t, mp_result cause, int rank, const char *why);
 void shm_fail_everything(shm_t *s);
 void shm_check_liveness(shm_t *s);
 void shm_failure_report(mp_transport *t, const mp_op *op, char *buf, size_t len);

@@ -228,12 +228,13 @@ int shm_fail_unserved(shm_t *s, int departed)
     return failed;
 }
 
-void shm_abort(mp_transport *t, mp_result cause, int rank, const char *why)
+bool shm_abort(mp_transport *t, mp_result cause, int rank, const char *why)
 {
     shm_t *s = as_shm(t);
     shm_header *h = shm_hdr(&s->v);
     uint32_t none = MP_OK;
-    if (atomic_compare_exchange_strong(&h->abort_cause, &none, (uint32_t)cause)) {
+    bool first = atomic_compare_exchange_strong(&h->abort_cause, &none, (uint32_t)cause);
+    if (first) {
         atomic_store(&h->abort_rank, rank);
         if (why && why[0])
             snprintf(h->abort_why, sizeof h->abort_why, "%s", why);
@@ -241,6 +242,7 @@ void shm_abort(mp_transport *t, mp_result cause, int rank, const char *why)
     }
     for (int r = 0; r < t->size; r++)
         shm_ring(s, r);
+    return first;
 }
 
 /* Fails everything once the communicator is aborted or this rank is fenced as deadlocked; from

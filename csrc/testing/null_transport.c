@@ -32,11 +32,11 @@ static mp_result null_wait(mp_transport *t, mp_op *op, double deadline, const mp
     return MP_OK;
 }
 
-static void null_abort(mp_transport *t, mp_result cause, int rank, const char *why)
+static bool null_abort(mp_transport *t, mp_result cause, int rank, const char *why)
 {
     (void)why; /* no op is ever pending, so no failure quotes it */
     uint64_t none = 0;
-    atomic_compare_exchange_strong(&as_null(t)->aborted, &none, (uint64_t)cause << 32 | (uint32_t)rank);
+    return atomic_compare_exchange_strong(&as_null(t)->aborted, &none, (uint64_t)cause << 32 | (uint32_t)rank);
 }
 
 static mp_result null_abort_cause(mp_transport *t, int *rank)
