@@ -122,6 +122,21 @@ def run_job(
         return Job(proc.returncode, ranks, output)
 
 
+def run_in_session(cmd: list[str], limit: float, *, merge_stderr: bool = False, **popen: Any) -> subprocess.CompletedProcess:
+    """Runs `cmd` in a session of its own, so that on the `limit` (seconds) the whole of it is
+    killed, every process it started included, and the test fails with its output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            text=True, start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} passed its {limit:.0f} s limit and was killed:\n"
+                    f"{out[-5000:]}\n{(err or '')[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.fixture
 def torchrun():
     """torchrun(worker, nproc, params=None, timeout=120, env=None) -> Job"""

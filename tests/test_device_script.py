@@ -5,12 +5,12 @@ build/device-dry-run/, which travels with the tree to a GPU machine, where the s
 beside the GPU's verdicts."""
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_in_session
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "gpu" / "run_device_checks.sh"
@@ -26,15 +26,7 @@ torchrun = pytest.mark.torchrun  # the tests of the dry run: it launches torchru
 @pytest.fixture(scope="module")
 def dry_run() -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    proc = subprocess.Popen([str(SCRIPT), "--model"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the dry run passed {LIMIT_S} s:\n{output[-5000:]}")
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, output)
+    done = run_in_session([str(SCRIPT), "--model"], LIMIT_S, merge_stderr=True, cwd=ROOT, env=env)
     return done, json.loads((DRY_RUN / "two_process.json").read_text())
 
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_job
+from conftest import run_in_session, run_job
 from random_programs import random_program
 
 from megatron_p2p import program, simulate
@@ -63,21 +63,11 @@ def test_a_deadlock_replay_names_the_cycle_well_before_the_timeout(verdicts):
 
 
 def replay_command(*files: Path, limit: float = 120.0) -> tuple[int, str, str]:
-    """`python -m megatron_p2p.replay FILE...` as a user types it (it starts its own torchrun), in a
-    session of its own that is killed whole on the limit."""
-    import signal
-    import subprocess
+    """`python -m megatron_p2p.replay FILE...` as a user types it (it starts its own torchrun)."""
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_p2p.replay", *map(str, files)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"replay passed its {limit:.0f} s limit\n{out[-3000:]}\n{err[-3000:]}")
-    return proc.returncode, out, err
+    done = run_in_session([sys.executable, "-m", "megatron_p2p.replay", *map(str, files)], limit)
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.mark.torchrun

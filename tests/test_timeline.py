@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,14 @@ def trace_events(path: Path) -> list[dict]:
     return spans
 
 
+def dump_dir(tmp_path: Path, write: Callable[[Path], object]) -> Path:
+    """A directory of flight-recorder dumps, as `write` (test_trace's writers) makes them."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    write(dumps)
+    return dumps
+
+
 def png_dimensions(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
@@ -86,9 +95,7 @@ def test_check_without_a_timeline_names_no_file(capsys):
 
 
 def test_trace_names_the_timeline_it_wrote_on_stderr(tmp_path, capsys):
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    clean_pair(dumps)
+    dumps = dump_dir(tmp_path, clean_pair)
     out = tmp_path / "t.json"
     assert trace.main([str(dumps), "--timeline", str(out)]) == 0
     assert capsys.readouterr().err == f"trace: wrote {out}\n"
@@ -154,9 +161,7 @@ def test_simulate_without_timeline_lists_no_ops():
 
 
 def test_trace_timeline_json_marks_the_cycle(tmp_path, capsys):
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    send_first_ring(dumps)
+    dumps = dump_dir(tmp_path, send_first_ring)
     out = tmp_path / "ring.json"
     assert trace.main([str(dumps), "--timeline", str(out)]) == 1
     spans = trace_events(out)
@@ -166,9 +171,7 @@ def test_trace_timeline_json_marks_the_cycle(tmp_path, capsys):
 
 
 def test_trace_timeline_of_a_clean_run_marks_nothing(tmp_path, capsys):
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    clean_pair(dumps)
+    dumps = dump_dir(tmp_path, clean_pair)
     out = tmp_path / "clean.json"
     assert trace.main([str(dumps), "--timeline", str(out)]) == 0
     spans = trace_events(out)
@@ -177,9 +180,7 @@ def test_trace_timeline_of_a_clean_run_marks_nothing(tmp_path, capsys):
 
 
 def test_trace_timeline_of_two_communicators_needs_one_named(tmp_path, capsys):
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    clean_pair(dumps)
+    dumps = dump_dir(tmp_path, clean_pair)
     write_dump(dumps, 0, [op("send", 1, 0)], comm="0ther")
     write_dump(dumps, 1, [op("recv", 0, 0)], comm="0ther")
     out = tmp_path / "one.json"
@@ -191,9 +192,7 @@ def test_trace_timeline_of_two_communicators_needs_one_named(tmp_path, capsys):
 
 
 def test_trace_timeline_png(tmp_path, capsys):
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    send_first_ring(dumps)
+    dumps = dump_dir(tmp_path, send_first_ring)
     out = tmp_path / "ring.png"
     assert trace.main([str(dumps), "--timeline", str(out)]) == 1
     assert png_dimensions(out) == (1200, 350)  # 3 rows

@@ -258,6 +258,15 @@ static int settle_send(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_lo
 /* Before an abort fails what is left, the sends whose receivers have already answered take their
  * answer: a receiver that reports a mismatch and then closes with ops pending would otherwise
  * turn its sender's MismatchError into the close's abort. */
+/* The channel `op` sends on, and this rank's side of it: its index, *ch and *cl. */
+static uint32_t send_channel(shm_t *s, const mp_op *op, shm_chan **ch, chan_local **cl)
+{
+    uint32_t c = shm_chan_index(&s->v, op->lane, s->base.rank, op->peer);
+    *ch = shm_chan_at(&s->v, c);
+    *cl = &s->out[op->lane * s->base.size + op->peer];
+    return c;
+}
+
 void shm_settle_answered_sends(shm_t *s)
 {
     for (int l = 0; l < s->base.nlanes; l++) {
@@ -267,9 +276,12 @@ void shm_settle_answered_sends(shm_t *s)
             continue;
         for (int i = 0; i < step->nops; i++) {
             mp_op *op = step->ops[i];
-            if (op && op->kind == MP_SEND && op->phase == PH_WAIT_DONE)
-                settle_send(s, step, op, shm_chan_at(&s->v, shm_chan_index(&s->v, op->lane, s->base.rank, op->peer)),
-                            &s->out[op->lane * s->base.size + op->peer]);
+            if (op && op->kind == MP_SEND && op->phase == PH_WAIT_DONE) {
+                shm_chan *ch;
+                chan_local *cl;
+                send_channel(s, op, &ch, &cl);
+                settle_send(s, step, op, ch, cl);
+            }
         }
         if (step->remaining == 0)
             shm_free_head(q);
@@ -278,9 +290,9 @@ void shm_settle_answered_sends(shm_t *s)
 
 static int progress_send(shm_t *s, mp_step *step, mp_op *op)
 {
-    uint32_t c = shm_chan_index(&s->v, op->lane, s->base.rank, op->peer);
-    shm_chan *ch = shm_chan_at(&s->v, c);
-    chan_local *cl = &s->out[op->lane * s->base.size + op->peer];
+    shm_chan *ch;
+    chan_local *cl;
+    uint32_t c = send_channel(s, op, &ch, &cl);
     int moved = 0;
     if (op->phase == PH_NEW) {
         int index = op->index;
@@ -341,10 +353,13 @@ static int start_recv(shm_t *s, mp_step *step, mp_op *op, uint32_t c, shm_chan *
         return shm_found_corrupt(s, "descriptor of message #%llu from rank %d: %s (path %u, %llu bytes of dtype %d at "
                                  "%#llx, label %u)", (unsigned long long)op->seq, op->peer_global, bad, path,
                                  (unsigned long long)nbytes, dtype, (unsigned long long)addr, label);
-    int64_t shape[MP_MAX_DIMS] = {0};
-    for (int d = 0; d < ndim; d++)
-        shape[d] = sl->shape[d];
-    int shapes_differ = s->check && !mp_same_shape(ndim, shape, op->ndim, op->shape);
+    int64_t shape[MP_MAX_DIMS]; /* the sender's shape, read (once) only where shapes are checked */
+    int shapes_differ = 0;
+    if (s->check) {
+        for (int d = 0; d < ndim; d++)
+            shape[d] = sl->shape[d];
+        shapes_differ = !mp_same_shape(ndim, shape, op->ndim, op->shape);
+    }
     if (nbytes != op->nbytes || dtype != op->dtype || shapes_differ) {
         sl->recv_nbytes = op->nbytes;
         sl->recv_dtype = op->dtype;

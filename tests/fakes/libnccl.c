@@ -3,7 +3,8 @@
  * the ranks of one communicator meet and move bytes; the name is unlinked once every rank has
  * attached. Send and receive run as "kernels" on the fake libcuda's streams.
  *
- * What it promises, as NCCL does (docs/shm-transport.md, the semantics):
+ * What it promises, as NCCL does; docs/nccl-model.md gives each behaviour a row naming the NCCL or
+ * CUDA source it follows (the ordering rows: src/enqueue.cc and src/group.cc):
  *   - the k-th send from A to B on a communicator matches the k-th receive by B from A;
  *   - a communicator's ops run in order on their stream; the ops of one group progress
  *     together; a send does not complete before its receive is posted (unless
@@ -17,7 +18,7 @@
  *   - a launch connects the pairs of ranks its group is the first to use, waiting for the peer's
  *     launch to reach the same connection, until the communicator is aborted;
  *   - ncclCommSplit makes a child in the parent's mode, sharing the parent's abort flag and
- *     connections with splitShare;
+ *     connections when the PARENT was made with splitShare (the split's own config does not decide);
  *   - ncclCommAbort unblocks the communicator's stuck work, never waits for peers, joins a group
  *     thread still running, waits until every CUDA graph that captured work on the communicator
  *     is destroyed, and ends the communicator: any later call on it fails;
@@ -33,7 +34,6 @@
  * or ncclInvalidUsage with a message. As NCCL: unbalanced ncclGroupStart/End is ncclInvalidUsage,
  * a call on a communicator still in progress ncclInvalidArgument, one in error that error.
  * Every message goes to the one process-wide last error, as NCCL's warnings do (see log_warning).
- * docs/nccl-model.md lists each modelled behaviour with the NCCL or CUDA source it follows.
  *
  * Options and fault injection (environment, read at ncclCommInitRankConfig):
  *   MPFAKE_NCCL_INIT_IN_PROGRESS_MS=N  nonblocking init stays in progress a random 0..N ms (default 20)
