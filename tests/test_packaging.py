@@ -1,7 +1,9 @@
 """What a user installing the package gets beside the code: one version, read by the package, the
-tools and pip's metadata alike, and a declared licence."""
+tools and pip's metadata alike, a declared licence, and signatures inspect reads (the stubs are
+held to them by `make lint`'s stubtest)."""
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import tomllib
@@ -10,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 import megatron_p2p
-from megatron_p2p import _version
+from megatron_p2p import _C, _version
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -89,3 +91,19 @@ def test_make_test_sets_up_the_test_tools_too(tmp_path):
     plan = make_plan("test", tmp_path)
     for tool in ("torch==2.13.0", "pytest", "megatron-core", "hypothesis", "nvidia-nccl"):
         assert tool in plan, tool
+
+
+@pytest.mark.parametrize("owner", [_C, _C.Communicator, _C.Request], ids=["module", "Communicator", "Request"])
+def test_each_public_callable_of_the_extension_has_a_signature_inspect_reads(owner):
+    names = [n for n, v in vars(owner).items() if callable(v) and not n.startswith("_") and not isinstance(v, type)]
+    unsigned = []
+    for name in names:
+        try:
+            inspect.signature(getattr(owner, name))
+        except ValueError:
+            unsigned.append(name)
+    assert names and unsigned == [], unsigned
+
+
+def test_the_communicator_class_has_its_constructors_signature():
+    assert list(inspect.signature(_C.Communicator).parameters)[:4] == ["backend", "unique_id", "group_rank", "ranks"]

@@ -159,20 +159,20 @@ static PyObject *comm_exit(CommObject *self, PyObject *Py_UNUSED(args))
 
 static PyMethodDef comm_methods[] = {
     {"exchange", (PyCFunction)(void (*)(void))mp_comm_exchange, METH_FASTCALL | METH_KEYWORDS,
-     "exchange(send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode='parity', "
-     "prev_rank=None, next_rank=None, call=None) -> dict\n\nPosts one pipeline exchange in one call and returns a "
-     "Request per posted op, keyed by op name. mode='parity' issues the ops one by one in Megatron's "
+     "exchange($self, /, send_next=None, recv_prev=None, send_prev=None, recv_next=None, *, mode='parity', "
+     "prev_rank=None, next_rank=None, call=None)\n--\n\nPosts one pipeline exchange in one call and returns a dict of Requests, "
+     "one per posted op, keyed by op name. mode='parity' issues the ops one by one in Megatron's "
      "parity order; 'batched' issues each lane's ops as one group. prev_rank / next_rank (global ranks) "
      "override the ring neighbours. call names the API call for reports and the flight recorder."},
     {"isend", (PyCFunction)(void (*)(void))mp_comm_isend, METH_VARARGS | METH_KEYWORDS,
-     "isend(tensor, peer, *, call=None) -> Request\n\nPosts a send to global rank `peer` on lane 0, after every op issued before."},
+     "isend($self, /, tensor, peer, *, call=None)\n--\n\nReturns the Request of a send to global rank `peer` on lane 0, after every op issued before."},
     {"irecv", (PyCFunction)(void (*)(void))mp_comm_irecv, METH_VARARGS | METH_KEYWORDS,
-     "irecv(tensor, peer, *, call=None) -> Request\n\nPosts a receive from global rank `peer` on lane 0, after every op issued before."},
+     "irecv($self, /, tensor, peer, *, call=None)\n--\n\nReturns the Request of a receive from global rank `peer` on lane 0, after every op issued before."},
     {"batch", (PyCFunction)(void (*)(void))mp_comm_batch, METH_VARARGS | METH_KEYWORDS,
-     "batch(ops, *, lane=0, call=None) -> list[Request]\n\nPosts (is_send, tensor, peer) ops as one group on "
-     "`lane`, after every op issued before on it."},
+     "batch($self, /, ops, *, lane=0, call=None)\n--\n\nPosts (is_send, tensor, peer) ops as one group on "
+     "`lane`, after every op issued before on it, and returns their Requests in a list."},
     {"abort", (PyCFunction)(void (*)(void))comm_abort, METH_VARARGS | METH_KEYWORDS,
-     "abort(*, rank=None, reason=None, peer_failed=False, deadlock=False) -> None\n\nFails every pending op here "
+     "abort($self, /, *, rank=None, reason=None, peer_failed=False, deadlock=False)\n--\n\nFails every pending op here "
      "and at every peer (an abort that starts here is published to the peers first). Idempotent. rank: the global "
      "rank whose failure this abort passes on (default: this one; -1, with peer_failed: a cause outside the group, "
      "such as the store's host, so that reports name no rank), which reports name as the cause; reason: why, "
@@ -180,30 +180,30 @@ static PyMethodDef comm_methods[] = {
      "so the failures are PeerFailureError rather than P2PError; deadlock: the cause is a wait-for cycle this rank "
      "is in, so its failures here are DeadlockError."},
     {"close", (PyCFunction)comm_close, METH_NOARGS,
-     "Stops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
+     "close($self, /)\n--\n\nStops the transport and releases its resources; ops still pending fail (and abort the peers). Idempotent."},
     {"stats", (PyCFunction)mp_comm_stats, METH_NOARGS,
-     "Messages and bytes posted, and seconds spent in wait(); shm also counts the messages received by each path: "
+     "stats($self, /)\n--\n\nA dict: messages and bytes posted, and seconds spent in wait(); shm also counts the messages received by each path: "
      "inline (in the descriptor), single_copy (process_vm_readv by the receiver), bounce (two copies through the "
      "segment) and arena (written into the receive buffer by the sender)."},
     {"empty", (PyCFunction)(void (*)(void))mp_comm_empty, METH_VARARGS | METH_KEYWORDS,
-     "empty(shape, dtype) -> Tensor: an uninitialised receive buffer. On shm it lies in this rank's "
+     "empty($self, /, shape, dtype)\n--\n\nAn uninitialised receive buffer (a Tensor). On shm it lies in this rank's "
      "arena, which its peers have mapped, so a send into it is one copy by the sender; it falls back "
      "to plain memory (logged once) when the arena is full. On nccl, torch.empty on the device."},
     {"recent_ops", (PyCFunction)mp_comm_recent_ops, METH_NOARGS,
-     "recent_ops() -> list[dict]: the last ops this rank posted (up to 1024), oldest first: kind, label, peer "
+     "recent_ops($self, /)\n--\n\nA list of dicts: the last ops this rank posted (up to 1024), oldest first: kind, label, peer "
      "(global rank), nbytes, dtype, lane, step (per lane), seq (per pair and lane), group_size, call (the k-th "
      "API call), call_name, state (posted, matched, completed or failed), error ('' or the failure class), "
      "t_posted and t_completed (wall-clock seconds; None while pending) and waited (wait() was called)."},
     {"watchdog_check", (PyCFunction)comm_watchdog_check, METH_NOARGS,
-     "watchdog_check() -> exception or None\n\nFor the process's watchdog (megatron_p2p._watchdog). NCCL: finishes "
+     "watchdog_check($self, /)\n--\n\nAn exception or None. For the process's watchdog (megatron_p2p._watchdog). NCCL: finishes "
      "the ops whose device work has completed; when device work has been pending longer than the timeout, or "
      "NCCL reports an asynchronous error, aborts the lane communicators and returns the exception (not raised) "
      "whose report the next call on this communicator raises. Always None on shm, whose waits time themselves."},
     {"check_tensor", (PyCFunction)mp_comm_check_tensor, METH_VARARGS,
-     "check_tensor(tensor, name='tensor') -> None\n\nRaises the TypeError or ValueError that posting `tensor` on "
+     "check_tensor($self, tensor, name='tensor', /)\n--\n\nRaises the TypeError or ValueError that posting `tensor` on "
      "this communicator would raise, naming it `name`; posts nothing."},
     {"single_copy", (PyCFunction)mp_comm_single_copy, METH_O,
-     "single_copy(peer) -> bool: whether large messages from `peer` arrive with one copy (CMA)."},
+     "single_copy($self, peer, /)\n--\n\nWhether large messages from `peer` arrive with one copy (CMA)."},
     {"__enter__", (PyCFunction)comm_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)comm_exit, METH_VARARGS, NULL},
     {NULL},
@@ -223,7 +223,8 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_methods, comm_methods},
     {Py_tp_getset, mp_comm_getset},
     {Py_tp_doc, "Communicator(backend, unique_id, group_rank, ranks, *, lanes=2, eager_threshold=0, timeout=300.0, "
-                "single_copy=True)\n\nLow-level constructor, collective over the group; use "
+                "single_copy=True, device=-1, stream=None, high_priority=False, on_abort=None, check=False, pids=None, "
+                "peer_failed=None, arena_bytes=0)\n--\n\nLow-level constructor, collective over the group; use "
                 "megatron_p2p.init_communicator()."},
     {0, NULL},
 };

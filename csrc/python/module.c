@@ -110,15 +110,15 @@ static PyObject *after_fork_in_child(PyObject *mod, PyObject *Py_UNUSED(ignored)
 
 static PyMethodDef module_methods[] = {
     {"_after_fork_in_child", after_fork_in_child, METH_NOARGS,
-     "Run by os.register_at_fork in a fork child: disowns the Communicators the child inherited."},
+     "_after_fork_in_child()\n--\n\nRun by os.register_at_fork in a fork child: disowns the Communicators the child inherited."},
     {"new_unique_id", new_unique_id, METH_NOARGS,
-     "new_unique_id() -> str: an unguessable shared-memory segment name for a new communicator."},
+     "new_unique_id()\n--\n\nA str: an unguessable shared-memory segment name for a new communicator."},
     {"check_tensor", (PyCFunction)(void (*)(void))check_tensor, METH_VARARGS | METH_KEYWORDS,
-     "check_tensor(tensor, name='tensor', device=-1) -> None\n\nRaises the TypeError or ValueError that posting "
+     "check_tensor(tensor, name='tensor', device=-1)\n--\n\nRaises the TypeError or ValueError that posting "
      "`tensor` would raise on a communicator of `device` (-1: the CPU), naming it `name`; posts nothing."},
     {"plan", (PyCFunction)(void (*)(void))plan, METH_VARARGS | METH_KEYWORDS,
-     "plan(mode, lanes, rank, ops, prev_is_self=False, next_is_self=False) -> [(lane, (op, ...)), ...]\n\n"
-     "The steps an exchange of `ops` issues on group rank `rank`, in issue order."},
+     "plan(mode, lanes, rank, ops, prev_is_self=False, next_is_self=False)\n--\n\n"
+     "A list of (lane, (op, ...)): the steps an exchange of `ops` issues on group rank `rank`, in issue order."},
     {NULL},
 };
 

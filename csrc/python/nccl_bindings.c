@@ -142,12 +142,12 @@ static PyObject *nccl_issue_trace(PyObject *Py_UNUSED(mod), PyObject *args)
 
 PyMethodDef mp_nccl_methods[] = {
     {"nccl_load", (PyCFunction)(void (*)(void))nccl_load, METH_VARARGS | METH_KEYWORDS,
-     "nccl_load(env_path, bundled) -> (version, path, source)\n\nLoads libnccl once per process: env_path "
+     "nccl_load(env_path, bundled)\n--\n\nReturns (version, path, source). Loads libnccl once per process: env_path "
      "alone when given, else a copy already loaded, else the bundled paths in order, else libnccl.so.2 "
      "from the system. Raises BackendUnavailableError naming every attempt."},
-    {"nccl_unique_id", nccl_unique_id, METH_NOARGS, "nccl_unique_id() -> bytes: a new 128-byte ncclUniqueId, from the libnccl nccl_load() loaded."},
+    {"nccl_unique_id", nccl_unique_id, METH_NOARGS, "nccl_unique_id()\n--\n\nA new 128-byte ncclUniqueId, from the libnccl nccl_load() loaded."},
     {"_nccl_issue_trace", nccl_issue_trace, METH_VARARGS,
-     "_nccl_issue_trace(steps, nccl_version) -> list of calls\n\nRuns the NCCL transport's issuing code on "
+     "_nccl_issue_trace(steps, nccl_version, /)\n--\n\nA list of calls. Runs the NCCL transport's issuing code on "
      "steps [(lane, [(is_send, peer, nbytes, dtype_code), ...]), ...] against a recorder instead of libnccl: "
      "('group_start',), ('send'|'recv', lane, peer, count, nccl_datatype, index), ('group_end', lane)."},
     {NULL},

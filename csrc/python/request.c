@@ -281,15 +281,15 @@ static PyGetSetDef request_getset[] = {
 
 static PyMethodDef request_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))request_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None) -> True\n\nCPU ops: blocks the host until the op completes. CUDA ops: makes the "
+     "wait($self, /, timeout=None)\n--\n\nReturns True. CPU ops: blocks the host until the op completes. CUDA ops: makes the "
      "current stream wait for the op and returns at once, like torch's Work.wait() (also for an op captured into a "
      "CUDA graph, whose lane it joins back into the capturing stream). Raises "
      "P2PTimeoutError past the timeout (default: the communicator's) and aborts the communicator, "
      "MismatchError, PeerFailureError or P2PError when the op failed."},
     {"synchronize", (PyCFunction)(void (*)(void))request_synchronize, METH_VARARGS | METH_KEYWORDS,
-     "synchronize(timeout=None) -> True\n\nBlocks the host until the op has completed, on any backend, with "
+     "synchronize($self, /, timeout=None)\n--\n\nReturns True. Blocks the host until the op has completed, on any backend, with "
      "wait()'s deadline and errors."},
-    {"is_completed", (PyCFunction)request_is_completed, METH_NOARGS, "True once the op has finished (or failed)."},
+    {"is_completed", (PyCFunction)request_is_completed, METH_NOARGS, "is_completed($self, /)\n--\n\nTrue once the op has finished (or failed)."},
     {NULL},
 };
 

@@ -221,13 +221,13 @@ done:
 
 PyMethodDef mp_simulate_methods[] = {
     {"cycle_report", cycle_report, METH_O,
-     "cycle_report(ranks) -> str\n\n"
+     "cycle_report(ranks, /)\n--\n\n"
      "The deadlock report of the wait-for cycle ranks[0] -> ranks[1] -> ... -> ranks[0], in the words shm's\n"
      "run-time detection uses (csrc/core/cycle_report.h). Each rank is a tuple " CYCLE_RANK_FIELDS ";\n"
      "kind is 'send' or 'recv', pid 0 when not known."},
     {"simulate", (PyCFunction)(void (*)(void))simulate, METH_VARARGS | METH_KEYWORDS,
-     "simulate(size, lanes, eager_threshold, streams, details=True, serialize_lanes=False, timeline=False)\n"
-     "  -> (verdict, rounds, mismatch, cycle, cycle_closed, pending, num_pending, ops)\n\n"
+     "simulate(size, lanes, eager_threshold, streams, details=True, serialize_lanes=False, timeline=False)\n--\n\n"
+     "Returns (verdict, rounds, mismatch, cycle, cycle_closed, pending, num_pending, ops).\n"
      "Runs a packed program (csrc/core/simulate.h; megatron_p2p.program builds it) under the transport's\n"
      "semantics; serialize_lanes runs each rank's steps of all lanes in one queue in issue order (matching\n"
      "stays per lane). verdict: 'ok' | 'deadlock' | 'mismatch'. Ops are tuples (rank, call, step, index, seq,\n"
