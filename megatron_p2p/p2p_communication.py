@@ -402,8 +402,8 @@ class P2PCommunicator:
         dims = words[1:1 + ndim] if 0 <= ndim <= _MAX_DIMS else []
         if not 0 <= ndim <= _MAX_DIMS or any(d < 0 for d in dims) or not -1 <= code < len(_DTYPES):
             raise _C.MismatchError(
-                f"rank {dist.get_rank()}: the shape header from rank {peer} is malformed ({words}); both ranks must "
-                "run megatron_p2p with the same variable_seq_lengths setting"
+                f"rank {dist.get_rank()}: {self._call}: the shape header from rank {peer} is malformed ({words}); "
+                "both ranks must run megatron_p2p with the same variable_seq_lengths setting"
             )
         return dims, (_DTYPES[code] if code >= 0 else None)
 
@@ -418,12 +418,12 @@ class P2PCommunicator:
             r.wait()
         return self._decode(got.get("recv_prev"), self.prev_rank)[0], self._decode(got.get("recv_next"), self.next_rank)[0]
 
-    def _check_dtype(self, announced: torch.dtype | None, peer: int | None, what: str) -> str | None:
+    def _check_dtype(self, announced: torch.dtype | None, peer: int | None, what: str, shape: Any) -> str | None:
         want = self.config.pipeline_dtype
         if announced is None or want is None or announced == want:
             return None
         return (f"rank {dist.get_rank()}'s {what} expects {want} (config.pipeline_dtype) but rank {peer} "
-                f"sends {announced}")
+                f"sends {announced} in shape {list(shape)}")
 
     def _communicate(
         self,
@@ -458,7 +458,7 @@ class P2PCommunicator:
 
         def buffer(slot: str, shape: Any, announced: torch.dtype | None) -> torch.Tensor:
             peer = self.prev_rank if slot == "recv_prev" else self.next_rank
-            problem = self._check_dtype(announced, peer, slot)
+            problem = self._check_dtype(announced, peer, slot, shape)
             if problem:
                 problems.append(problem)
             # On a dtype disagreement, take the peer's message as it is sent (so it does not hang),
@@ -485,7 +485,7 @@ class P2PCommunicator:
         if problems:
             for r in [*header_sends, *reqs.values()]:
                 r.wait()
-            raise _C.MismatchError("shape exchange: " + "; ".join(problems))
+            raise _C.MismatchError(f"rank {dist.get_rank()}: {self._call}: shape exchange: " + "; ".join(problems))
         if wait_on_reqs:
             for r in header_sends:  # first: one the peer refused fails here, not as a hang below
                 r.wait()

@@ -328,3 +328,36 @@ def test_one_gibibyte_message_arrives_intact():
     assert (receiver["first"], receiver["last"]) == (0xAB, 0xCD)
     assert receiver["sample"] == sender["sample"]
     assert receiver["sha256"] == sender["sha256"]
+
+
+# ---- what a failure's first line names --------------------------------------------------------
+# One rank exchanging with itself, in this process: a size mismatch fails both ops at once.
+
+def self_mismatch(check: bool, call: str | None) -> dict[str, str]:
+    import torch
+
+    from megatron_p2p import _C
+
+    with _C.Communicator("shm", _C.new_unique_id(), 0, [0], timeout=10.0, check=check) as comm:
+        reqs = comm.exchange(send_next=torch.ones(8), recv_prev=torch.zeros(4, 3), call=call)
+        errors = {}
+        for name, req in reqs.items():
+            with pytest.raises(_C.MismatchError) as exc:
+                req.wait()
+            errors[name] = str(exc.value).splitlines()[0]
+        return errors
+
+
+def test_a_failure_names_the_call_that_posted_the_op_and_the_shape_debug_matching_read():
+    errors = self_mismatch(check=True, call="send_forward_recv_forward")
+    assert errors["send_next"].startswith("rank 0: send_next to rank 0 (32 bytes of float32 in shape [8], lane 0, "
+                                          "message #0, posted by send_forward_recv_forward) failed: "), errors
+    assert errors["recv_prev"].startswith("rank 0: recv_prev from rank 0 (48 bytes of float32 in shape [4, 3], lane 0, "
+                                          "message #0, posted by send_forward_recv_forward) failed: "), errors
+
+
+def test_a_failure_of_an_op_posted_without_a_call_name_or_shape_check_names_neither():
+    errors = self_mismatch(check=False, call=None)
+    assert errors["send_next"].startswith("rank 0: send_next to rank 0 (32 bytes of float32, lane 0, message #0) "
+                                          "failed: "), errors
+    assert all("posted by" not in e and "in shape" not in e for e in errors.values()), errors

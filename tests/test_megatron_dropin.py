@@ -209,6 +209,8 @@ def test_shape_exchange_dtype_disagreement_raises_mismatch_naming_both_ranks(job
         assert mine["error_type"] == "MismatchError", (rank, mine)
         assert f"rank {rank}" in mine["error"] and f"rank {rank - 1}" in mine["error"], mine["error"]
         assert "bfloat16" in mine["error"] and "float16" in mine["error"]
+        said = mine["error"]  # the megatron-core method, and the shape announced
+        assert said.startswith(f"rank {rank}: recv_forward: shape exchange: ") and "in shape [" in said, said
 
 
 def test_shape_exchange_with_agreeing_dtypes_reports_nothing(job):

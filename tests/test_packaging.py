@@ -107,3 +107,23 @@ def test_each_public_callable_of_the_extension_has_a_signature_inspect_reads(own
 
 def test_the_communicator_class_has_its_constructors_signature():
     assert list(inspect.signature(_C.Communicator).parameters)[:4] == ["backend", "unique_id", "group_rank", "ranks"]
+
+
+def test_a_wheel_holds_the_package_its_stub_and_licence_and_no_test_hooks(tmp_path):
+    """What `pip install .` installs, built from the tracked files alone (as a clean clone has them)."""
+    import zipfile
+
+    src = tmp_path / "src"
+    for name in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes((ROOT / name).read_bytes())
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, text=True)
+    [wheel] = (tmp_path / "dist").glob("megatron_p2p-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert [n for n in names if n.startswith("megatron_p2p/_C.") and n.endswith(".so")], names
+    for shipped in ("megatron_p2p/_C.pyi", "megatron_p2p/py.typed", "megatron_p2p/verify/__init__.py",
+                    "megatron_p2p/programs/naive_send_first_ring.json"):
+        assert shipped in names, shipped
+    assert [n for n in names if n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")], names
+    assert [n for n in names if "_testing" in n or n.startswith("tests/")] == []

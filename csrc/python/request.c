@@ -8,6 +8,7 @@
 #include "core/clock.h"
 #include "core/dtype.h"
 #include "core/plan.h"
+#include "core/shape.h"
 #include "errors.h"
 
 RequestObject *mp_request_new(CommObject *comm, PyObject *tensor, const mp_buffer *buf)
@@ -61,11 +62,20 @@ static void request_dealloc(RequestObject *self)
 static void raise_op_failure(CommObject *comm, const mp_op *op)
 {
     const char *peer_dir = op->kind == MP_SEND ? "to" : "from";
-    PyObject *msg = PyUnicode_FromFormat("rank %d: %s %s rank %d (%llu bytes of %s, lane %d, message #%llu) failed: %s",
+    /* The shape where it was read (debug matching), and the API call that posted the op (a
+     * megatron-core method, say), as the deadlock reports name it. */
+    char shape[80] = "", posted_by[MP_CALL_NAME_LEN + 16] = "";
+    if (op->ndim >= 0) {
+        char dims[64];
+        mp_format_shape(op->ndim, op->shape, dims, sizeof dims);
+        snprintf(shape, sizeof shape, " in shape %s", dims);
+    }
+    if (op->call_name[0])
+        snprintf(posted_by, sizeof posted_by, ", posted by %s", op->call_name);
+    PyObject *msg = PyUnicode_FromFormat("rank %d: %s %s rank %d (%llu bytes of %s%s, lane %d, message #%llu%s) failed: %s",
                                          comm->global_ranks[comm->group_rank], mp_label_name(op->label), peer_dir,
-                                         op->peer_global,
-                                         (unsigned long long)op->nbytes, mp_dtype_name(op->dtype), op->lane,
-                                         (unsigned long long)op->seq, op->detail);
+                                         op->peer_global, (unsigned long long)op->nbytes, mp_dtype_name(op->dtype),
+                                         shape, op->lane, (unsigned long long)op->seq, posted_by, op->detail);
     if (!msg)
         return;
     mp_transport *t = comm->transport;
