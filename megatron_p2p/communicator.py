@@ -15,7 +15,7 @@ from . import _C, _env, _registry, _watchdog, flight_recorder, nccl
 from ._stall import StallWatch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
     from typing import TypedDict
 
     # torch.distributed imports Store without re-exporting it; distributed_c10d lists it in __all__.
@@ -76,14 +76,14 @@ def _store_and_ranks(group: dist.ProcessGroup | None) -> tuple[Store, int, list[
 
 
 def _store_get(store: Store, key: str, timeout: float, rank: int, rank0_pid: int | None) -> bytes:
-    """The value of `key` once its rank has set it. A store that is gone means its host died:
-    rank 0's process, or torchrun's agent; either way the group cannot form."""
+    """The value of `key` once global rank `rank` has set it. A store that is gone means its host
+    died: rank 0's process, or torchrun's agent; either way the group cannot form."""
     deadline = time.monotonic() + timeout
     pause = 0.001
     try:
         while not store.check([key]):
             if time.monotonic() >= deadline:
-                raise _C.P2PTimeoutError(f"group rank {rank} did not reach init_communicator within {timeout:g} s "
+                raise _C.P2PTimeoutError(f"rank {rank} did not reach init_communicator within {timeout:g} s "
                                          f"(store key {key})")
             time.sleep(pause)
             pause = min(2 * pause, _STORE_POLL_MAX)
@@ -91,7 +91,7 @@ def _store_get(store: Store, key: str, timeout: float, rank: int, rank0_pid: int
     except dist.DistNetworkError as e:
         host = f"rank 0 (pid {rank0_pid})" if rank0_pid is not None else "rank 0 (pid not yet published)"
         raise _C.PeerFailureError(
-            f"the torch.distributed store is gone while waiting for group rank {rank}: its host exited ({host}, or "
+            f"the torch.distributed store is gone while waiting for rank {rank}: its host exited ({host}, or "
             f"torchrun's agent where the job uses its store) ({e})"
         ) from None
 
@@ -185,16 +185,16 @@ def init_communicator(
         store.set(f"{proc_key}/{group_rank}", identity)  # type: ignore[arg-type]  # torch's stub says str; bytes work
     store.set(f"{pid_key}/{group_rank}", str(os.getpid()))
     if group_rank == 0:
-        pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, r, os.getpid())) for r in range(len(ranks))]
+        pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, g, os.getpid())) for r, g in enumerate(ranks)]
         unique_id = _C.new_unique_id() if backend == "shm" else b"".join(_C.nccl_unique_id() for _ in range(lanes))
         store.set(key, unique_id)  # type: ignore[arg-type]  # nccl's is bytes, which Store.set takes
     else:
-        rank0_pid = int(_store_get(store, f"{pid_key}/0", timeout, 0, None))
-        unique_id = _store_get(store, key, timeout, 0, rank0_pid)
-        pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, r, rank0_pid)) for r in range(len(ranks))]
+        rank0_pid = int(_store_get(store, f"{pid_key}/0", timeout, ranks[0], None))
+        unique_id = _store_get(store, key, timeout, ranks[0], rank0_pid)
+        pids = [int(_store_get(store, f"{pid_key}/{r}", timeout, g, rank0_pid)) for r, g in enumerate(ranks)]
         if backend == "shm":
             unique_id = unique_id.decode()
-    failures = _CreationFailures(store, f"{base}/{generation}/failed", group_rank, len(ranks))
+    failures = _CreationFailures(store, f"{base}/{generation}/failed", group_rank, ranks)
     common: _CommonArgs = dict(lanes=lanes, timeout=float(timeout), peer_failed=failures.of_peers)
     try:
         if backend == "shm":
@@ -205,8 +205,8 @@ def init_communicator(
             )
         else:
             # Each rank set its proc key before its pid key, and every pid key has been read.
-            procs = [nccl.ProcessIdentity.decode(_store_get(store, f"{proc_key}/{r}", timeout, r, pids[0]))
-                     for r in range(len(ranks))]
+            procs = [nccl.ProcessIdentity.decode(_store_get(store, f"{proc_key}/{r}", timeout, g, pids[0]))
+                     for r, g in enumerate(ranks)]
             relay = nccl.AbortRelay(store, f"{base}/{generation}/abort", me)
             peers = nccl.PeerWatch(relay, procs[group_rank], dict(zip(ranks, procs)))
             stall = StallWatch(store, f"{base}/{generation}/stall", ranks, me)  # a wrong setting fails here
@@ -233,8 +233,8 @@ class _CreationFailures:
     through the store, so that the others, still waiting for it to attach, stop at once with its
     reason instead of at the timeout."""
 
-    def __init__(self, store: Store, key: str, rank: int, size: int) -> None:
-        self._store, self._key, self._rank, self._size = store, key, rank, size
+    def __init__(self, store: Store, key: str, rank: int, ranks: Sequence[int]) -> None:
+        self._store, self._key, self._rank, self._ranks = store, key, rank, ranks
         self._from_peer = False
 
     def publish(self, error: BaseException) -> None:
@@ -251,11 +251,11 @@ class _CreationFailures:
         try:
             if self._store.add(self._key, 0) == 0:
                 return None
-            for r in range(self._size):
+            for r, g in enumerate(self._ranks):
                 key = f"{self._key}/{r}"
                 if r != self._rank and self._store.check([key]):
                     self._from_peer = True
-                    return (f"group rank {r} could not create its side of the communicator, so this rank "
+                    return (f"rank {g} could not create its side of the communicator, so this rank "
                             f"cannot either: {self._store.get(key).decode()}")
         except dist.DistError:
             pass  # a vanished store is reported where the pids and the segment are watched

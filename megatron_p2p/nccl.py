@@ -276,7 +276,7 @@ class PeerWatch:
                 self._dead[r] = p
         if not self._dead and gone is None:
             return None
-        deaths = "; ".join(f"global rank {r} (pid {p.pid} on {p.host}) is gone: its process exited"
+        deaths = "; ".join(f"rank {r} (pid {p.pid} on {p.host}) is gone: its process exited"
                            for r, p in sorted(self._dead.items()))
         first = min(self._dead) if self._dead else NO_RANK
         if gone is None:

@@ -361,3 +361,31 @@ def test_a_failure_of_an_op_posted_without_a_call_name_or_shape_check_names_neit
     assert errors["send_next"].startswith("rank 0: send_next to rank 0 (32 bytes of float32, lane 0, message #0) "
                                           "failed: "), errors
     assert all("posted by" not in e and "in shape" not in e for e in errors.values()), errors
+
+
+def test_an_op_failed_by_a_peers_abort_names_that_peer_by_its_global_rank_never_its_group_rank():
+    """Global ranks 5 and 7 (group ranks 0 and 1), both in this process, each on a thread of its own
+    while they create their communicator; rank 7 aborts while rank 5's receive from it is pending."""
+    import threading
+
+    import torch
+
+    from megatron_p2p import _C
+
+    uid, made = _C.new_unique_id(), {}
+
+    def create(group_rank: int) -> None:
+        made[group_rank] = _C.Communicator("shm", uid, group_rank, [5, 7], timeout=10.0, pids=[os.getpid()] * 2)
+
+    peer = threading.Thread(target=create, args=(1,))
+    peer.start()
+    create(0)
+    peer.join()
+    with made[0] as mine, made[1] as theirs:
+        req = mine.irecv(torch.zeros(4), 7)
+        theirs.abort(reason="it gave up")
+        with pytest.raises(_C.P2PError) as exc:
+            req.wait()
+    first = str(exc.value).splitlines()[0]
+    assert first.startswith("rank 5: irecv from rank 7 ") and "aborted by rank 7 " in first, first
+    assert "rank 1" not in first and "group rank" not in first, first

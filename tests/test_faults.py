@@ -196,7 +196,7 @@ def test_exhausted_descriptors_fail_creation_at_once_with_a_clear_error(matrix):
     assert_raised(starved["call"], "P2PError", "shared-memory segment", "Too many open files", "RLIMIT_NOFILE")
     assert starved["call"]["elapsed"] < SLACK, starved["call"]
     FIGURES["RLIMIT_NOFILE exhausted: the starved rank"] = starved["call"]["elapsed"]
-    assert_raised(waiter["call"], "P2PError", "group rank 1 could not create", "Too many open files")
+    assert_raised(waiter["call"], "P2PError", "rank 1 could not create", "Too many open files")
     assert waiter["call"]["elapsed"] < NOFILE_TIMEOUT, waiter["call"]
     FIGURES["RLIMIT_NOFILE exhausted: its peer"] = waiter["call"]["elapsed"]
     nothing_left(matrix, "descriptors_exhausted")
@@ -285,7 +285,7 @@ def test_full_dev_shm_fails_creation_saying_how_much_is_free_and_needed():
     creator, attacher = value_of(job, 0), value_of(job, 1)["full"]
     assert_raised(creator["full"]["create"], "P2PError", "/dev/shm has 0 MiB free", "needs up to", "MiB")
     FIGURES["/dev/shm full: the creator"] = creator["full"]["create"]["elapsed"]
-    assert_raised(attacher["create"], "P2PError", "group rank 0 could not create", "/dev/shm has 0 MiB free")
+    assert_raised(attacher["create"], "P2PError", "rank 0 could not create", "/dev/shm has 0 MiB free")
     assert attacher["create"]["elapsed"] < NOFILE_TIMEOUT, attacher["create"]
     FIGURES["/dev/shm full: its peer"] = attacher["create"]["elapsed"]
     assert creator["segments_left"] == []

@@ -369,7 +369,7 @@ def test_a_rank_that_times_out_aborts_its_peer_through_the_relay_naming_itself(s
     relay thread (a thread with no CUDA context of its own), and says which rank gave up."""
     relayed = silent_peer[1]["wait"]
     assert relayed["type"] is not None and relayed["elapsed"] < 5.0, relayed
-    assert "group rank 0" in relayed["msg"], relayed["msg"]
+    assert "communicator aborted (rank 0)" in relayed["msg"], relayed["msg"]
 
 
 # ncclRemoteError, and kernels stall, once the first op after each lane's 2 warm-up ops has completed

@@ -86,7 +86,7 @@ def test_a_pid_that_now_names_another_process_is_gone_and_the_same_process_is_no
 def test_a_peer_killed_while_this_rank_waits_on_it_fails_the_wait_within_2_s_naming_it(killed):
     assert killed.ranks[1] is None  # SIGKILLed before it could report
     v = survivor(killed, 0)
-    failed_naming(v["wait"], "irecv from rank 1", "global rank 1 (pid", "is gone: its process exited")
+    failed_naming(v["wait"], "irecv from rank 1", "rank 1 (pid", "is gone: its process exited")
     assert v["after_death"] < REPORTED_WITHIN, v
 
 
@@ -96,7 +96,7 @@ def test_a_peer_killed_while_this_rank_waits_on_it_is_a_peer_failure_error(kille
 
 def test_after_a_peer_died_the_next_call_fails_at_once_naming_it(killed):
     v = survivor(killed, 0)
-    failed_naming(v["next_call"], "global rank 1 (pid", "is gone")
+    failed_naming(v["next_call"], "rank 1 (pid", "is gone")
     assert v["next_call"]["elapsed"] < 0.5, v["next_call"]
 
 
@@ -111,7 +111,7 @@ def test_a_peer_alive_but_slow_is_not_reported_and_the_exchange_completes():
 def test_a_peer_killed_while_this_rank_is_idle_fails_the_first_op_posted_to_it_within_a_poll():
     idle = job("idle_killed", idle=0.5)
     v = survivor(idle, 0)
-    failed_naming(v["wait"], "irecv from rank 1", "global rank 1 (pid", "is gone")
+    failed_naming(v["wait"], "irecv from rank 1", "rank 1 (pid", "is gone")
     assert v["wait"]["elapsed"] < 1.0, v["wait"]
 
 
@@ -158,7 +158,7 @@ def test_a_store_found_gone_before_its_hosts_process_is_names_that_rank_once_it_
     clock.now += STORE_HOST_SETTLE_SECONDS / 2
     loss = watch.loss()
     assert loss is not None and loss.rank == 0 and loss.store_gone and loss.dead == {0}, loss
-    assert "store's host is gone" in loss.reason and "global rank 0 (pid" in loss.reason, loss
+    assert "store's host is gone" in loss.reason and "rank 0 (pid" in loss.reason, loss
 
 
 def test_a_store_gone_with_every_peer_here_alive_names_no_rank_never_this_one(child):
@@ -168,7 +168,7 @@ def test_a_store_gone_with_every_peer_here_alive_names_no_rank_never_this_one(ch
     clock.now += STORE_HOST_SETTLE_SECONDS
     loss = watch.loss()
     assert loss is not None and loss.rank == NO_RANK and loss.store_gone and not loss.dead, loss
-    assert "no rank is named" in loss.reason and "global rank" not in loss.reason, loss
+    assert "no rank is named" in loss.reason and "(pid" not in loss.reason, loss
 
 
 def test_a_store_that_answers_with_every_peer_alive_is_no_loss(child):
@@ -182,7 +182,7 @@ def test_a_store_that_answers_with_every_peer_alive_is_no_loss(child):
 def test_the_store_host_killed_fails_the_pending_wait_within_2_s_saying_the_store_is_gone(store_killed):
     assert store_killed.ranks[0] is None
     v = survivor(store_killed, 1)
-    failed_naming(v["wait"], "irecv from rank 0", "the torch.distributed store's host is gone", "global rank 0")
+    failed_naming(v["wait"], "irecv from rank 0", "the torch.distributed store's host is gone", "rank 0 (pid")
     assert v["after_death"] < REPORTED_WITHIN, v
 
 

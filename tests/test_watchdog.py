@@ -50,7 +50,7 @@ def test_raise_mode_keeps_the_process_and_the_next_calls_raise_the_report_here_a
     assert "aborted by the watchdog" in mine["next_call"]["msg"], mine["next_call"]["msg"]
     assert "send_next to rank 1" in mine["next_call"]["msg"], mine["next_call"]["msg"]
     # rank 1 (timeout 30 s) learns of it through the store within the idle, long before its own timeout
-    assert peer["next_call"]["type"] is not None and "group rank 0" in peer["next_call"]["msg"], peer["next_call"]
+    assert peer["next_call"]["type"] is not None and "(rank 0)" in peer["next_call"]["msg"], peer["next_call"]
     assert peer["next_call"]["elapsed"] < 1.0, peer["next_call"]
 
 

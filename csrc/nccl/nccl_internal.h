@@ -73,10 +73,10 @@ typedef struct {
     mp_result cause;
     int cause_rank;
     char cause_detail[MP_DETAIL_LEN];
+    int *global_ranks; /* the group's: every report names a rank by its global rank */
     /* Debug matching: descriptors out (the first `check_slots`) and in (the next), in pinned
      * host memory and on the device, and the event a step's descriptors are waited on with. */
     int check;
-    int global_rank;
     mp_check_desc *check_host;
     mp_CUdeviceptr check_dev;
     int check_slots;

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/clock.h"
 #include "core/cycle_report.h"
@@ -143,8 +144,8 @@ static bool nccl_abort(mp_transport *t, mp_result cause, int rank, const char *w
     nccl_t *n = (nccl_t *)t;
     pthread_mutex_lock(&n->lock);
     char detail[MP_DETAIL_LEN], by[32] = "outside the group";
-    if (rank != MP_RANK_OUTSIDE)
-        snprintf(by, sizeof by, "group rank %d", rank);
+    if (rank >= 0 && rank < t->size)
+        snprintf(by, sizeof by, "rank %d", n->global_ranks[rank]);
     if (cause == MP_ERR_DEADLOCK) /* the cycle's report follows, as on shm */
         snprintf(detail, sizeof detail, "%s", MP_CYCLE_FAILURE);
     else
@@ -244,6 +245,7 @@ void nccl_release(nccl_t *n)
         n->cu->DevicePrimaryCtxRelease(n->device);
     pthread_mutex_destroy(&n->lock);
     pthread_mutex_destroy(&n->issue);
+    free(n->global_ranks);
     free(n);
 }
 
@@ -298,8 +300,8 @@ static mp_result warm_up(nccl_t *n, double deadline, char *err, size_t errlen)
         /* Polled until it fires: a first NOT_READY is the usual answer right after recording. */
         while (c == MP_CUDA_SUCCESS && (c = n->cu->EventQuery(n->ready)) == MP_CUDA_ERROR_NOT_READY) {
             if (mp_now() > deadline) {
-                snprintf(err, errlen, "warming up lane %d: a neighbour (group rank %d or %d) did not take part "
-                         "in time", l, prev, next);
+                snprintf(err, errlen, "warming up lane %d: a neighbour (rank %d or %d) did not take part in time", l,
+                         n->global_ranks[prev], n->global_ranks[next]);
                 return MP_ERR_TIMEOUT;
             }
             if (mp_interrupted(n->interrupt))
@@ -406,10 +408,15 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
         return MP_ERR_SYSTEM;
     }
     nccl_t *n = calloc(1, sizeof *n);
-    if (!n) {
+    int *global_ranks = malloc((size_t)cfg->size * sizeof *global_ranks);
+    if (!n || !global_ranks) {
+        free(n);
+        free(global_ranks);
         snprintf(err, errlen, "out of memory");
         return MP_ERR_SYSTEM;
     }
+    memcpy(global_ranks, cfg->global_ranks, (size_t)cfg->size * sizeof *global_ranks);
+    n->global_ranks = global_ranks;
     n->base.ops = &nccl_ops;
     n->base.rank = cfg->rank;
     n->base.size = cfg->size;
@@ -420,7 +427,6 @@ mp_result mp_nccl_open(const mp_nccl_config *cfg, const mp_nccl_lib *nccl, const
     n->device = cfg->device;
     n->timeout = cfg->timeout;
     n->check = cfg->check;
-    n->global_rank = cfg->global_rank;
     pthread_mutex_init(&n->issue, NULL);
     pthread_mutex_init(&n->lock, NULL);
     double deadline = mp_now() + cfg->timeout;

@@ -258,13 +258,13 @@ static mp_result check_step(nccl_t *n, const mp_step *step, char *detail, size_t
     nccl_unrelax(n, relaxed);
     if (waited == MP_ERR_TIMEOUT)
         snprintf(detail, len, "debug matching: rank %d waited %.1f s on lane %d for the descriptors of step #%llu: a "
-                 "peer has not posted the matching ops", n->global_rank, n->timeout, step->lane,
+                 "peer has not posted the matching ops", n->global_ranks[n->base.rank], n->timeout, step->lane,
                  (unsigned long long)step->ops[0]->step);
     if (waited != MP_OK)
         return waited;
     for (int i = 0; i < step->nops; i++) {
         const mp_op *op = step->ops[i];
-        if (op->kind == MP_RECV && mp_check_compare(&in[i], op->peer_global, op, n->global_rank, detail, len) < 0)
+        if (op->kind == MP_RECV && mp_check_compare(&in[i], op->peer_global, op, n->global_ranks[n->base.rank], detail, len) < 0)
             return MP_ERR_MISMATCH;
     }
     return MP_OK;

@@ -19,7 +19,7 @@ typedef struct {
     double timeout;               /* for creation and warm-up */
     int high_priority;            /* lane streams at the device's greatest priority */
     int check;                    /* debug matching: every step is preceded by descriptors */
-    int global_rank;              /* this rank's, for debug matching's reports */
+    const int *global_ranks;      /* the group's, `size` of them (copied): reports name ranks by these */
     const mp_interrupt *interrupt; /* checked while creation waits for the other ranks; may be NULL */
 } mp_nccl_config;
 

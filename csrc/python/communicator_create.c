@@ -101,7 +101,7 @@ static mp_result open_nccl(CommObject *self, PyObject *unique_id, int high_prior
         .timeout = self->timeout,
         .high_priority = high_priority,
         .check = self->check,
-        .global_rank = self->global_ranks[self->group_rank],
+        .global_ranks = self->global_ranks,
     };
     mp_interrupt interrupt;
     cfg.interrupt = &interrupt;

@@ -190,8 +190,8 @@ int mp_comm_check_usable(CommObject *self)
         char report[4096] = "";
         mp_transport_failure_report(self->transport, NULL, report, sizeof report);
         char by[32] = "outside the group";
-        if (rank != MP_RANK_OUTSIDE)
-            snprintf(by, sizeof by, "by group rank %d", rank);
+        if (rank >= 0 && rank < self->size)
+            snprintf(by, sizeof by, "by rank %d", self->global_ranks[rank]);
         PyErr_Format(exc, "communicator was aborted (%s, caused %s); create a new one%s%s", mp_result_str(cause), by,
                      report[0] ? "\n" : "", report);
         mp_comm_error_hook(self);

@@ -317,8 +317,6 @@ int shm_cycle_same(const shm_cycle *a, const shm_cycle *b)
 
 void shm_cycle_free(shm_cycle *c) { free(c); }
 
-static int global(const shm_view *v, int r) { return shm_rank_at(v, r)->global_rank; }
-
 /* The cycle in the one report grammar (core/cycle_report.h), with global ranks and pids. */
 static void format_report(const shm_view *v, const shm_cycle *c, const pid_t *pids, char *buf, size_t len)
 {
@@ -331,8 +329,8 @@ static void format_report(const shm_view *v, const shm_cycle *c, const pid_t *pi
         const cycle_edge *e = &c->edges[i];
         const shm_watch_op *o = &e->op;
         ranks[i] = (mp_cycle_rank){
-            .rank = global(v, e->rank),
-            .peer = global(v, o->peer),
+            .rank = shm_global_rank(v, e->rank),
+            .peer = shm_global_rank(v, o->peer),
             .pid = (long)pids[e->rank],
             .kind = (mp_kind)o->kind,
             .what = mp_label_name((mp_label)(o->label % MP_NUM_LABELS)),

@@ -49,6 +49,7 @@ static void fail_step(shm_t *s, mp_step *step, mp_result r, const char *why)
 
 static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_t len)
 {
+    int who = rank >= 0 && rank < s->base.size ? shm_global_rank(&s->v, rank) : rank; /* as every report names it */
     if (cause == MP_ERR_CORRUPT && rank == s->base.rank && atomic_load(&s->corrupt)) {
         int final = atomic_load_explicit(&s->corrupt, memory_order_acquire) == 2;
         snprintf(buf, len, "%s", final ? s->corrupt_why : "corrupt segment");
@@ -56,17 +57,17 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
     }
     switch (cause) {
     case MP_ERR_TIMEOUT:
-        snprintf(buf, len, "communicator aborted: rank %d timed out waiting for its ops", rank);
+        snprintf(buf, len, "communicator aborted: rank %d timed out waiting for its ops", who);
         break;
     case MP_ERR_PEER_DEAD:
         if (rank == MP_RANK_OUTSIDE)
             snprintf(buf, len, "communicator aborted: a process outside the group is gone");
         else
-            snprintf(buf, len, "communicator aborted: rank %d (pid %d) exited", rank,
+            snprintf(buf, len, "communicator aborted: rank %d (pid %d) exited", who,
                      rank >= 0 && rank < s->base.size ? (int)s->pids[rank] : -1);
         break;
     case MP_ERR_CLOSED:
-        snprintf(buf, len, "communicator aborted: rank %d closed it with ops pending", rank);
+        snprintf(buf, len, "communicator aborted: rank %d closed it with ops pending", who);
         break;
     case MP_ERR_DEADLOCK:
         snprintf(buf, len, "%s", MP_CYCLE_FAILURE);
@@ -78,7 +79,7 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
          * corrupt segment is named whatever the text says. */
         const char *why = told ? h->abort_why : "";
         const char *named = cause == MP_ERR_CORRUPT && strncmp(why, "corrupt segment", 15) != 0 ? "corrupt segment" : "";
-        snprintf(buf, len, "communicator aborted by rank %d (%s)%s%s%s%.*s", rank, mp_result_str(cause),
+        snprintf(buf, len, "communicator aborted by rank %d (%s)%s%s%s%.*s", who, mp_result_str(cause),
                  named[0] || why[0] ? ": " : "", named, named[0] && why[0] ? "; " : "", (int)sizeof h->abort_why, why);
         break;
     }

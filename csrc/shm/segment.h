@@ -149,6 +149,8 @@ typedef struct {
 
 static inline shm_header *shm_hdr(const shm_view *v) { return (shm_header *)v->base; }
 static inline shm_rank *shm_rank_at(const shm_view *v, int r) { return (shm_rank *)(v->base + v->lay.ranks) + r; }
+/* Group rank `r`'s global rank, by which every report names it. */
+static inline int shm_global_rank(const shm_view *v, int r) { return shm_rank_at(v, r)->global_rank; }
 static inline _Atomic uint8_t *shm_cma_at(const shm_view *v, int reader, int owner)
 {
     return (_Atomic uint8_t *)(v->base + v->lay.cma) + (size_t)reader * (size_t)v->size + (size_t)owner;

@@ -184,7 +184,7 @@ def peer_death(comm: mp.Communicator) -> dict:
     after = ended - float(store.get("mp_gpu/peer_death/died_at"))
     next_exc, next_s = raised(lambda: comm.exchange(send_next=full(4, 1.0)))
     assert isinstance(exc, mp.PeerFailureError), f"waiting on a killed peer: {exc!r}"
-    assert "global rank 1 (pid" in str(exc) and "is gone" in str(exc), str(exc)
+    assert "rank 1 (pid" in str(exc) and "is gone" in str(exc), str(exc)
     assert after < PEER_DEATH_WITHIN_S, f"reported {after:.2f} s after the death (limit {PEER_DEATH_WITHIN_S} s)"
     assert isinstance(next_exc, mp.P2PError) and next_s < 0.5, f"the next call: {next_exc!r} in {next_s:.2f} s"
     return {"detail": f"PeerFailureError {after:.2f} s after the peer's SIGKILL, naming it; the next call raised "
