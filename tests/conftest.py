@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launcher import Launch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -79,8 +79,10 @@ def run_job(
     params: dict[str, Any] | None = None,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
 ) -> Job:
-    """Runs tests/workers/<worker> on `nproc` ranks; each rank's body gets `params`."""
+    """Runs tests/workers/<worker> on `nproc` ranks; each rank's body gets `params`. `prefix`: a
+    command that runs torchrun (it execs the rest), such as one that enters a namespace first."""
     if os.environ.get(ENV_FAST):
         pytest.fail(f"this test launches a torchrun job ({worker}) but is not marked torchrun: "
                     "mark it @pytest.mark.torchrun (make test-fast runs the rest)")
@@ -96,30 +98,25 @@ def run_job(
             TORCHELASTIC_ERROR_FILE=str(result_dir / "torchelastic.json"),
         )
         job_env.update(env or {})
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--monitor-interval=0.2", str(WORKERS / worker),
-        ]
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env, start_new_session=True
-        )
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        args = ["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.2", str(WORKERS / worker)]
+        launch = Launch(args, job_env, result_dir / "output.txt", prefix)
+        returncode = launch.wait(timeout)
+        if returncode is None:
             _signal_job(result_dir.name, signal.SIGUSR1)  # workers dump their stacks (harness.py)
             time.sleep(2.0)
             _signal_job(result_dir.name, signal.SIGKILL)
-            output, _ = proc.communicate()
+            launch.kill()
             pytest.fail(
                 f"{worker} on {nproc} ranks passed its {timeout:.0f} s limit and was killed.\n"
-                f"{_stacks(result_dir)}\n--- job output (tail):\n{output[-6000:]}"
+                f"{_stacks(result_dir)}\n--- job output (tail):\n{launch.output()[-6000:]}"
             )
+        output = launch.output()
         _signal_job(result_dir.name, signal.SIGKILL)  # a rank that outlived its launcher
         ranks: list[dict[str, Any] | None] = []
         for r in range(nproc):
             path = result_dir / f"rank{r}.json"
             ranks.append(json.loads(path.read_text()) if path.exists() else None)
-        return Job(proc.returncode, ranks, output)
+        return Job(returncode, ranks, output)
 
 
 def run_in_session(cmd: list[str], limit: float, *, merge_stderr: bool = False, **popen: Any) -> subprocess.CompletedProcess:

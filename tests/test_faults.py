@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import types
 from typing import Any
 
 import conftest
@@ -265,16 +264,10 @@ def private_shm_prefix() -> list[str]:
 
 
 def run_in_private_shm(row: str) -> conftest.Job:
-    """fault_shm_space.py's `row` on 2 ranks, under a private mount namespace: run_job's
-    launcher with its command prefixed (its limit, stack dumps and kill stay as they are)."""
-    prefix = private_shm_prefix()
-    patched = types.SimpleNamespace(
-        Popen=lambda cmd, **kwargs: subprocess.Popen(prefix + cmd, **kwargs),
-        PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired,
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(conftest, "subprocess", patched)
-        return run_job("fault_shm_space.py", 2, params={"row": row, "timeout": NOFILE_TIMEOUT}, timeout=120)
+    """fault_shm_space.py's `row` on 2 ranks, under a private mount namespace: torchrun under the
+    prefix (its limit, stack dumps and kill stay as they are)."""
+    return run_job("fault_shm_space.py", 2, params={"row": row, "timeout": NOFILE_TIMEOUT}, timeout=120,
+                   prefix=private_shm_prefix())
 
 
 def test_full_dev_shm_fails_creation_saying_how_much_is_free_and_needed():
