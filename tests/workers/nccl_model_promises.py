@@ -438,13 +438,11 @@ nccl.mpfake_nccl_parallel_calls.restype = ctypes.c_long
 
 
 def split(parent: p, rank: int, share: int) -> tuple[int, int, p]:
-    """(ncclCommSplit's answer, the parent's state right after it, the child once settled)."""
+    """(ncclCommSplit's answer, the parent's state right after it, the child, set once settled)."""
     child = p()
     config = SplitConfig(ctypes.sizeof(SplitConfig), 0xcafebeef, 21800, 1, UNDEF, UNDEF, UNDEF, None, share)
     answer = nccl.ncclCommSplit(parent, 0, rank, ctypes.byref(child), ctypes.byref(config))
-    state = async_state(parent)
-    assert settled(parent) == 0
-    return answer, state, child
+    return answer, async_state(parent), child
 
 
 def split_pair(parent_share: int, child_share: int) -> tuple[list, list, list, list]:
@@ -460,7 +458,17 @@ def split_pair(parent_share: int, child_share: int) -> tuple[list, list, list, l
         streams.append(new_stream())
     for c in parents:
         assert settled(c) == 0
-    answers = both_ranks(lambda r: split(parents[r], r, child_share), contexts)
+    # One rank after the other, from this thread: rank 0's state is read before rank 1 has split,
+    # so its child's init cannot have ended, and what rank 0 reads is the state during the split
+    # whatever the scheduling.
+    answers = []
+    for r in range(2):
+        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+        answers.append(split(parents[r], r, child_share))
+    for r in range(2):
+        assert cuda.cuCtxSetCurrent(contexts[r]) == 0
+        assert settled(parents[r]) == 0
+    assert cuda.cuCtxSetCurrent(ctx) == 0
     return answers, parents, [a[2] for a in answers], streams
 
 
