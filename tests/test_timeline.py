@@ -117,7 +117,7 @@ def test_check_timeline_png_of_the_shipped_ring(tmp_path, capsys):
     program = load(RING)
     expected = timeline.png_size(timeline.of_simulation(program, simulate(program, timeline=True)))
     assert out.stat().st_size > 0
-    assert png_dimensions(out) == expected == (1200, 400)  # 12 x (2 + 0.5 per row) inches at 100 dpi, 4 rows
+    assert png_dimensions(out) == expected == (1200, 440)  # 12 x (2.4 + 0.5 per row) inches at 100 dpi, 4 rows
 
 
 def test_check_timeline_of_a_schedule_shows_its_rounds(tmp_path, capsys):
@@ -195,7 +195,7 @@ def test_trace_timeline_png(tmp_path, capsys):
     dumps = dump_dir(tmp_path, send_first_ring)
     out = tmp_path / "ring.png"
     assert trace.main([str(dumps), "--timeline", str(out)]) == 1
-    assert png_dimensions(out) == (1200, 350)  # 3 rows
+    assert png_dimensions(out) == (1200, 390)  # 3 rows
 
 
 def test_trace_timeline_bad_suffix_is_named(tmp_path, capsys):
@@ -203,3 +203,34 @@ def test_trace_timeline_bad_suffix_is_named(tmp_path, capsys):
         trace.main([str(tmp_path), "--timeline", "out.svg"])
     assert exc.value.code == 2
     assert "must end in .json" in capsys.readouterr().err
+
+
+# ---- what the picture tells apart -------------------------------------------------------------
+
+def healthy_spans() -> list[timeline.Span]:
+    program = load(PROGRAMS / "batched_exchange_pp2.json")  # all four slots, completing
+    return timeline.of_simulation(program, simulate(program, timeline=True)).spans
+
+
+def test_a_healthy_timeline_colours_sends_receives_forward_and_backward_each_their_own_way():
+    by_op = {(s.args["kind"], s.args["slot"]): timeline.style(s) for s in healthy_spans()}
+    assert set(by_op) == {("send", "send_next"), ("recv", "recv_prev"), ("send", "send_prev"), ("recv", "recv_next")}
+    assert len(set(by_op.values())) == 4 and all(hatch is None for _, hatch in by_op.values()), by_op
+    legend = {colour for _, colour, _ in timeline.legend_entries()}
+    assert {colour for colour, _ in by_op.values()} <= legend
+
+
+def test_a_cycles_op_is_red_and_an_unfinished_one_hatched_whatever_its_kind():
+    span = healthy_spans()[0]
+    cycle = timeline.Span(span.rank, span.lane, span.name, span.start, span.end, False, True, span.args)
+    assert timeline.style(cycle) == (timeline.CYCLE_COLOUR, "//")
+    unfinished = timeline.Span(span.rank, span.lane, span.name, span.start, span.end, False, False, span.args)
+    assert timeline.style(unfinished) == (timeline.style(span)[0], "//")
+
+
+def test_a_bar_says_the_ops_name_where_it_fits_its_kind_and_peer_where_only_that_fits_and_nothing_below():
+    span = next(s for s in healthy_spans() if s.args["kind"] == "send")
+    assert span.name.startswith("send -> ")
+    assert timeline.bar_text(span, 400) == span.name
+    assert timeline.bar_text(span, 30) == f"S{span.args['peer']}"
+    assert timeline.bar_text(span, 5) == ""

@@ -8,7 +8,9 @@ A `.json` file is a Chrome trace (the trace-event format; Perfetto and chrome://
 pid is the rank and tid the lane, named by metadata events; each op is a complete ("X") event, in
 category "cycle" (coloured "terrible") when it is one of the cycle's blocked ops, "unfinished"
 when it never completed, "op" otherwise. A `.png` file is the same timeline drawn with
-matplotlib: one row per rank and lane, unfinished ops hatched, the cycle's ops red.
+matplotlib: one row per rank and lane; sends dark and receives light, forward ops (send_next,
+recv_prev) blue and backward ones (send_prev, recv_next) green, unfinished ops hatched, the
+cycle's ops red, each op named where its bar has room; a legend says so.
 
 The checker's timeline is its simulated rounds (one round drawn as 1 ms in the Chrome trace);
 the flight recorder's is wall time from the earliest op posted.
@@ -28,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FORMATS = (".json", ".png")
 ROUND_US = 1000.0  # one simulated round in the Chrome trace, in microseconds
-PNG_SIZE = (12.0, 0.5, 2.0, 100)  # width in, height in per row, height in besides the rows, dpi
+PNG_SIZE = (12.0, 0.5, 2.4, 100)  # width in, height in per row, height in besides the rows, dpi
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ def of_simulation(program: Program, verdict: Verdict, title: str = "") -> Timeli
             continue
         ref, op = t.ref, t.ref.op
         key = (ref.rank, ref.call, ref.step, ref.index)
-        args = {"bytes": op.bytes, "dtype": op.dtype, "peer": op.peer, "message": ref.seq, "call": ref.call,
-                "call_name": ref.call_name, "label": op.label, "posted_round": t.posted, "done_round": t.done}
+        args = {"kind": op.kind, "slot": op.slot, "bytes": op.bytes, "dtype": op.dtype, "peer": op.peer,
+                "message": ref.seq, "call": ref.call, "call_name": ref.call_name, "label": op.label,
+                "posted_round": t.posted, "done_round": t.done}
         if key in blocked:
             args["cycle"] = True
             args["waits_for"] = blocked[key]
@@ -99,7 +102,8 @@ def of_trace(dumps: Sequence[Dump], report: Report, title: str = "") -> Timeline
         for op in d.ops:
             done = op.t_completed is not None
             stop = (op.t_completed if op.t_completed is not None else max(d.time, op.t_posted)) - t0
-            args = {"bytes": op.nbytes, "dtype": op.dtype, "peer": op.peer, "message": op.seq, "call": op.call,
+            args = {"kind": op.kind, "slot": op.label, "bytes": op.nbytes, "dtype": op.dtype, "peer": op.peer,
+                    "message": op.seq, "call": op.call,
                     "call_name": op.call_name, "label": op.label, "state": op.state, "waited": op.waited,
                     "communicator": d.communicator}
             if op in cycle:
@@ -163,6 +167,43 @@ def _packed_rows(spans: Sequence[Span], least: float) -> dict[tuple[int, int], l
     return rows
 
 
+# An op's colour: its direction's hue (forward, backward, or neither: a plain isend/irecv), dark
+# for a send and light for a receive; the cycle's ops red whatever they are.
+DIRECTIONS = {"send_next": "forward", "recv_prev": "forward", "send_prev": "backward", "recv_next": "backward"}
+COLOURS = {("forward", "send"): "#1f77b4", ("forward", "recv"): "#aec7e8",
+           ("backward", "send"): "#2ca02c", ("backward", "recv"): "#98df8a",
+           ("", "send"): "#7f7f7f", ("", "recv"): "#c7c7c7"}
+CYCLE_COLOUR = "#d62728"
+LABEL_FONT_PT = 7
+ROWS_NOTE = "bars stacked in one row overlap in time: one group's ops, or ops queued behind one another"
+
+
+def style(s: Span) -> tuple[str, str | None]:
+    """The bar's colour and hatch (None: plain; "//": the op never completed)."""
+    kind = "send" if s.args.get("kind", s.name.split()[0]) == "send" else "recv"
+    colour = CYCLE_COLOUR if s.in_cycle else COLOURS[DIRECTIONS.get(s.args.get("slot", ""), ""), kind]
+    return colour, None if s.done else "//"
+
+
+def bar_text(s: Span, width_px: float) -> str:
+    """What a bar `width_px` pixels wide says: the op's name, or its kind and peer ("S1", "R0"),
+    whichever fits; nothing when neither does."""
+    per_char = LABEL_FONT_PT * 0.6 * 100 / 72  # about a character's width at 100 dpi
+    short = ("S" if s.name.startswith("send") else "R") + str(s.args.get("peer", ""))
+    for text in (s.name, short):
+        if len(text) * per_char + 4 <= width_px:
+            return text
+    return ""
+
+
+def legend_entries() -> list[tuple[str, str, str | None]]:
+    """(label, colour, hatch) of each legend entry."""
+    entries: list[tuple[str, str, str | None]] = [
+        (f"{'send' if kind == 'send' else 'receive'}, {direction or 'no direction (isend/irecv)'}", colour, None)
+        for (direction, kind), colour in COLOURS.items()]
+    return entries + [("never completed", "#ffffff", "//"), ("blocked in the wait-for cycle", CYCLE_COLOUR, None)]
+
+
 def draw_png(timeline: Timeline, path: str | Path) -> None:
     """Draws the timeline with matplotlib's Agg backend."""
     import matplotlib
@@ -175,19 +216,21 @@ def draw_png(timeline: Timeline, path: str | Path) -> None:
     row_of = {r: i for i, r in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(width, extra + per_row * (len(rows) or 1)), dpi=dpi)
     span_end = timeline.end or 1.0
+    px_per_unit = width * dpi * 0.88 / span_end  # the axes' share of the width (subplots_adjust below)
     for (rank, lane), packed in _packed_rows(timeline.spans, span_end * 0.004).items():
         height = 0.8 / len(packed)
         for k, shelf in enumerate(packed):
             y = row_of[rank, lane] - 0.4 + k * height
             for s in shelf:
                 length = max(s.end - s.start, span_end * 0.004)
-                color = "#d62728" if s.in_cycle else "#1f77b4" if s.done else "#ff7f0e"
-                ax.broken_barh([(s.start, length)], (y, height), facecolors=color, edgecolor="black",
-                               linewidth=0.5, hatch=None if s.done else "//", zorder=3 if s.in_cycle else 2)
-                if length > span_end * 0.2:
-                    ax.text(s.start + length / 2, y + height / 2, s.name, ha="center", va="center", fontsize=7,
-                            clip_on=True, zorder=4, bbox={"facecolor": "white", "alpha": 0.7, "pad": 1,
-                                                          "linewidth": 0})
+                colour, hatch = style(s)
+                ax.broken_barh([(s.start, length)], (y, height), facecolors=colour, edgecolor="black",
+                               linewidth=0.5, hatch=hatch, zorder=3 if s.in_cycle else 2)
+                text = bar_text(s, length * px_per_unit)
+                if text:
+                    ax.text(s.start + length / 2, y + height / 2, text, ha="center", va="center",
+                            fontsize=LABEL_FONT_PT, clip_on=True, zorder=4,
+                            bbox={"facecolor": "white", "alpha": 0.7, "pad": 1, "linewidth": 0})
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {r} lane {lane}" for r, lane in rows])
     ax.invert_yaxis()
@@ -196,11 +239,11 @@ def draw_png(timeline: Timeline, path: str | Path) -> None:
     ax.set_title(timeline.title[:150], fontsize=9)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="#1f77b4", label="completed"),
-                       Patch(facecolor="#ff7f0e", hatch="//", label="never completed"),
-                       Patch(color="#d62728", label="blocked in the wait-for cycle")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 / (len(rows) or 1) - 0.12), ncol=3, fontsize=8)
-    fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.5 / fig.get_figheight(), bottom=1.2 / fig.get_figheight())
+    ax.legend(handles=[Patch(facecolor=colour, hatch=hatch, edgecolor="black", label=label)
+                       for label, colour, hatch in legend_entries()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 / (len(rows) or 1) - 0.12), ncol=4, fontsize=8,
+              title=ROWS_NOTE, title_fontsize=8)
+    fig.subplots_adjust(left=0.1, right=0.98, top=1 - 0.5 / fig.get_figheight(), bottom=1.6 / fig.get_figheight())
     fig.savefig(str(path), dpi=dpi, format="png")
     plt.close(fig)
 
