@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -17,6 +18,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.torchrun  # benchmarks/run.py starts torchrun jobs of its own
 def test_quick_benchmark_writes_complete_results(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -70,6 +72,7 @@ def test_quick_benchmark_writes_complete_results(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE, name
 
 
+@pytest.mark.torchrun  # one torchrun job per pp
 def test_pipelining_benchmark_writes_its_figures(tmp_path):
     """benchmarks/pipelining.py at its smallest (pp 2, one round of one step): both contenders
     timed, and their ratio."""
