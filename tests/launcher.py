@@ -25,10 +25,10 @@ def _main(args: list[str], env: dict[str, str], cwd: str, output: str) -> None:
     for std in (1, 2):
         os.dup2(fd, std)
     os.close(fd)
-    # Unbuffered, as PYTHONUNBUFFERED makes a new interpreter's; logging's handlers, which hold
-    # the old streams, flush after every record.
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115  # the process's, never closed
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # Line-buffered, so that a job killed on its limit leaves what it printed (a new interpreter
+    # would take PYTHONUNBUFFERED); logging's handlers, which hold the old streams, flush each record.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # the process's streams, never closed
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
