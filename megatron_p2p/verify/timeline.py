@@ -180,8 +180,7 @@ ROWS_NOTE = "bars stacked in one row overlap in time: one group's ops, or ops qu
 
 def style(s: Span) -> tuple[str, str | None]:
     """The bar's colour and hatch (None: plain; "//": the op never completed)."""
-    kind = "send" if s.args.get("kind", s.name.split()[0]) == "send" else "recv"
-    colour = CYCLE_COLOUR if s.in_cycle else COLOURS[DIRECTIONS.get(s.args.get("slot", ""), ""), kind]
+    colour = CYCLE_COLOUR if s.in_cycle else COLOURS[DIRECTIONS.get(s.args["slot"], ""), s.args["kind"]]
     return colour, None if s.done else "//"
 
 
@@ -189,7 +188,7 @@ def bar_text(s: Span, width_px: float) -> str:
     """What a bar `width_px` pixels wide says: the op's name, or its kind and peer ("S1", "R0"),
     whichever fits; nothing when neither does."""
     per_char = LABEL_FONT_PT * 0.6 * 100 / 72  # about a character's width at 100 dpi
-    short = ("S" if s.name.startswith("send") else "R") + str(s.args.get("peer", ""))
+    short = ("S" if s.args["kind"] == "send" else "R") + str(s.args["peer"])
     for text in (s.name, short):
         if len(text) * per_char + 4 <= width_px:
             return text
