@@ -149,13 +149,6 @@ def refuse_single_copy():
         raise OSError(ctypes.get_errno(), "seccomp(SECCOMP_SET_MODE_FILTER)")
 
 
-def barrier(store, me, name):
-    """Both ranks start the next row together: a row that fails fast on one rank must not eat
-    into the other rank's timeout of the next."""
-    store.set(f"{name}/{me}", "1")
-    store.wait([f"{name}/0", f"{name}/1"])
-
-
 def body(params):
     import torch
 
@@ -165,12 +158,14 @@ def body(params):
     store, me, _ = _env_rendezvous()
     torch.ones(8).sum()  # torch's lazy setup, before the first snapshot
     out = {"pid": os.getpid(), "single_copy_allowed": single_copy_row(torch, mp, params["timeout"])}
-    barrier(store, me, "descriptors_exhausted")
+    # Each row starts on both ranks together: a row that fails fast on one rank must not eat into
+    # the other rank's timeout of the next.
+    harness.barrier("descriptors_exhausted")
     out["descriptors_exhausted"] = descriptors_exhausted(mp, me, params["nofile_timeout"])
-    barrier(store, me, "stopped_peer")
+    harness.barrier("stopped_peer")
     out["stopped_peer"] = stopped_peer(torch, mp, store, me, params["stop_timeout"])
     refuse_single_copy()
-    barrier(store, me, "single_copy_refused")
+    harness.barrier("single_copy_refused")
     out["single_copy_refused"] = single_copy_row(torch, mp, params["timeout"])
     return out
 

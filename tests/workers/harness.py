@@ -50,6 +50,18 @@ def store_of_rank0(agent_store: Any, me: int, world: int) -> Any:
     return store
 
 
+def barrier(name: str) -> None:
+    """Every rank of the job has reached `name` (a key of torchrun's store) when this returns. A
+    worker whose communicator has a short timeout meets here just before creating it: creation
+    waits for the peers under that timeout, and ranks of a loaded machine (sanitizers, pytest's
+    workers) start seconds apart."""
+    from megatron_p2p.communicator import _env_rendezvous
+
+    store, me, world = _env_rendezvous()
+    store.set(f"harness/barrier/{name}/{me}", "1")
+    store.wait([f"harness/barrier/{name}/{r}" for r in range(world)])
+
+
 def run(body: Callable[[dict[str, Any]], Any]) -> None:
     rank = int(os.environ["RANK"])
     out = Path(os.environ["MP_RESULT_DIR"])
