@@ -25,7 +25,7 @@ def body(params):
     nccl.mpfake_nccl_unsafe_aborts.restype = ctypes.c_long
     nccl.mpfake_nccl_parallel_calls.restype = ctypes.c_long
     out = {}
-    harness.barrier("create")  # a short timeout must not also wait out the ranks' start
+    harness.barrier("create")
     comm = mp.init_communicator(backend="nccl", timeout=params.get("timeout", 20.0))
     if params["case"] == "threads":
         t, got = torch.ones(256), torch.zeros(256)

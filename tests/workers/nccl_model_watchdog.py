@@ -20,7 +20,7 @@ def body(params):
     timeout = params["timeout"]
     if isinstance(timeout, list):
         timeout = timeout[int(os.environ["RANK"])]
-    harness.barrier("create")  # the timeout is short: creation must not also wait out the ranks' start
+    harness.barrier("create")
     comm = mp.init_communicator(backend="nccl", timeout=timeout)
     t = torch.full((64,), float(comm.rank + 1))
     got = torch.zeros(64)
