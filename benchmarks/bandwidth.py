@@ -4,10 +4,12 @@ this package and gloo. This package receives twice: into plain torch tensors (th
 what a buffer a user allocates gets) and into tensors from `comm.empty` (its shared arena,
 where megatron-core's receive buffers come from), when the communicator has one.
 
-The baseline is a single-thread memcpy of the same bytes, the limit for a transport that copies
-once. It is measured right before every transport measurement, in the same processes (rank 0
-copies while its peer waits), so the two see the same machine; each repetition's ratio is the
-transport's figure over the memcpy measured beside it."""
+The baseline is what a transport that copies once can at best do, measured right before every
+transport measurement in the same processes, so the two see the same machine; each
+repetition's ratio is the transport's figure over the baseline measured beside it:
+- one way, a single-thread memcpy of the same bytes (rank 0 copies while its peer waits);
+- the exchange, two concurrent memcpys (both ranks copy the same bytes at once, started by a
+  barrier): both directions copy at once there, sharing the memory bus."""
 from __future__ import annotations
 
 import ctypes
@@ -24,10 +26,13 @@ PATTERNS = ("one_way", "exchange")
 WINDOW = 4  # one-way messages in flight per round
 
 
-def _memcpy_gbps(src: torch.Tensor, dst: torch.Tensor, nbytes: int, copies: int, group) -> float:
-    """libc memcpy of `copies` x `nbytes` on rank 0 alone (rank 1 waits in a barrier, which sleeps)."""
+def _memcpy_gbps(src: torch.Tensor, dst: torch.Tensor, nbytes: int, copies: int, group, concurrent: bool) -> float:
+    """libc memcpy of `copies` x `nbytes`, per rank: on rank 0 alone (rank 1 waits in a barrier,
+    which sleeps), or `concurrent`ly on both ranks, started together and timed to the slower."""
     seconds = 0.0
-    if dist.get_rank() == 0:
+    if concurrent:
+        dist.barrier(group=group)
+    if concurrent or dist.get_rank() == 0:
         start = time.perf_counter()
         for _ in range(copies):
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
@@ -104,7 +109,8 @@ def _arena_note(comm) -> tuple[list[str], dict[str, Any]]:
 def run(comm, group, cfg: dict[str, Any]) -> dict[str, Any]:
     contenders, arena = _arena_note(comm)
     points: dict[str, list[dict[str, Any]]] = {p: [] for p in PATTERNS}
-    memcpy = []
+    memcpy: list[dict[str, Any]] = []  # the one-way baseline
+    memcpy_concurrent: list[dict[str, Any]] = []  # the exchange's
     for nbytes in cfg["sizes"]:
         messages = repetitions(nbytes, cfg["target_bytes"], cfg["min_reps"], cfg["max_reps"])
         window = min(WINDOW, messages)
@@ -115,7 +121,7 @@ def run(comm, group, cfg: dict[str, Any]) -> dict[str, Any]:
         recv = {c: plain for c in contenders}
         if "megatron_p2p_arena" in contenders:
             recv["megatron_p2p_arena"] = comm.empty((nbytes,), torch.uint8)
-        src = torch.ones(nbytes if dist.get_rank() == 0 else 0, dtype=torch.uint8)
+        src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.zeros_like(src)
         bodies = {}
         for c in contenders:  # (body, iterations): both move `messages` messages of nbytes
@@ -123,16 +129,17 @@ def run(comm, group, cfg: dict[str, Any]) -> dict[str, Any]:
             bodies["exchange", c] = (_exchange(comm, c, send, recv[c]), messages)
         for body, _ in bodies.values():  # warm: first touch of every buffer, connections
             body()
-        _memcpy_gbps(src, dst, nbytes, 1, group)
+        _memcpy_gbps(src, dst, nbytes, 1, group, concurrent=True)
         gbps: dict[tuple[str, str], list[float]] = {key: [] for key in bodies}
         copy: dict[tuple[str, str], list[float]] = {key: [] for key in bodies}
         for _ in range(cfg["repeats"]):
             for key, (body, iterations) in bodies.items():
-                copy[key].append(_memcpy_gbps(src, dst, nbytes, messages, group))
+                copy[key].append(_memcpy_gbps(src, dst, nbytes, messages, group, concurrent=key[0] == "exchange"))
                 seconds = timed_loop(body, iterations, 0, group) * iterations
                 gbps[key].append(nbytes * messages / seconds / 1e9)
-        copies = [g for v in copy.values() for g in v]
-        memcpy.append({"bytes": nbytes, "gbps": median(copies), "spread": spread(copies)})
+        for pattern, baseline in zip(PATTERNS, (memcpy, memcpy_concurrent)):
+            copies = [g for (p, _), v in copy.items() if p == pattern for g in v]
+            baseline.append({"bytes": nbytes, "gbps": median(copies), "spread": spread(copies)})
         for pattern in PATTERNS:
             points[pattern].append({
                 "bytes": nbytes, "messages": messages,
@@ -141,8 +148,9 @@ def run(comm, group, cfg: dict[str, Any]) -> dict[str, Any]:
                               for c in contenders},
                 "repeats": {c: {"gbps": gbps[pattern, c], "memcpy_gbps": copy[pattern, c]} for c in contenders},
             })
-        say(f"bandwidth {human_bytes(nbytes):>8}  memcpy {memcpy[-1]['gbps']:6.2f} GB/s | " + " | ".join(
+        say(f"bandwidth {human_bytes(nbytes):>8}  memcpy {memcpy[-1]['gbps']:6.2f}, two at once "
+            f"{memcpy_concurrent[-1]['gbps']:6.2f} GB/s each | " + " | ".join(
             f"{pattern} " + "  ".join(f"{c} {points[pattern][-1]['gbps'][c]:6.2f} "
                                       f"({points[pattern][-1]['of_memcpy'][c]['median']:.2f})" for c in contenders)
             for pattern in PATTERNS) + "  GB/s (of memcpy)")
-    return {**points, "memcpy": memcpy, "repeats": cfg["repeats"], "arena": arena}
+    return {**points, "memcpy": memcpy, "memcpy_concurrent": memcpy_concurrent, "repeats": cfg["repeats"], "arena": arena}

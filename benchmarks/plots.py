@@ -51,7 +51,11 @@ def bandwidth(bw: dict, path: Path) -> None:
     sizes = [p["bytes"] for p in bw["memcpy"]]
     for ax, pattern, title in ((axes[0], "one_way", "One-way stream"),
                                (axes[1], "exchange", "Bidirectional exchange (per direction)")):
-        ax.plot(sizes, [p["gbps"] for p in bw["memcpy"]], "k--", label="single-thread memcpy (one-copy limit)")
+        if pattern == "one_way":
+            ax.plot(sizes, [p["gbps"] for p in bw["memcpy"]], "k--", label="single-thread memcpy (one-copy limit)")
+        else:
+            ax.plot(sizes, [p["gbps"] for p in bw["memcpy_concurrent"]], "k--",
+                    label="two memcpys at once, each (the exchange's limit)")
         for c in bw[pattern][0]["gbps"]:
             medians = [p["gbps"][c] for p in bw[pattern]]
             ax.errorbar(sizes, medians, yerr=_bars([p["repeats"][c]["gbps"] for p in bw[pattern]], medians),

@@ -1,10 +1,9 @@
 """Writes benchmarks/RESULTS.md from a full run's JSON: how to reproduce, the machine, the
-goal lines, the headline figures before and after issue 11, the tables and the plots (copied
+goal lines, the goals and latencies before and after issue 30, the tables and the plots (copied
 beside it, so they can be committed).
 
-The "before" figures are benchmarks/before.json: the tables of the RESULTS.md that `make bench`
-generated before issue 11, one run, each figure measured once (its "about" key describes the
-schema). The "after" column is this run's median [min-max] over its repetitions."""
+The "before" figures are benchmarks/before.json: the results.json of a full run of this
+benchmark with the transport as it was before issue 30. The "after" column is this run's."""
 from __future__ import annotations
 
 import json
@@ -17,7 +16,7 @@ import tables
 from timing import human_bytes, ranged
 
 BEFORE = Path(__file__).resolve().parent / "before.json"
-NOT_MEASURED = "not measured in this run"
+NOT_MEASURED = "not measured"
 # Sections of RESULTS.md written by other benchmarks, by hand from their output: kept as they are
 # when this file is rewritten (placed before the plots).
 CARRIED = ("## Host cost per exchange on the NCCL path (model)",
@@ -39,67 +38,39 @@ def carried_sections(md_path: Path) -> str:
     return text + "\n\n" if text else ""
 
 
-def _bandwidth_rows(results: dict, before: dict) -> list[list[str]]:
-    bw = results["bandwidth"]
-    old = before["bandwidth_gbps"]
-    rows = []
-    for pattern, what in (("one_way", "one-way"), ("exchange", "exchange")):
-        after = {p["bytes"]: p["of_memcpy"] for p in bw[pattern]}
-        for size in sorted(int(b) for b in old[pattern]):
-            was = f"{old[pattern][str(size)] / old['memcpy'][str(size)]:.2f}"
-            now = after.get(size)
-            figure = f"bandwidth {what} {human_bytes(size)}, of memcpy"
-            rows.append([f"{figure}, plain receive buffers (CMA)", was,
-                         tables.spread_text(now["megatron_p2p"]) if now else NOT_MEASURED])
-            if bw["arena"]["available"]:
-                rows.append([f"{figure}, arena receive buffers (comm.empty)", "no arena",
-                             tables.spread_text(now["megatron_p2p_arena"]) if now else NOT_MEASURED])
-    return rows
-
-
-def _step_rows(results: dict, before: dict) -> list[list[str]]:
-    after = {p["pp"]: goals.step_ratios(p) for p in results["pipeline"] if p["bytes"] == 8 << 20}
-    rows = []
-    for pp, ms in sorted(before["step_ms_8mib"].items(), key=lambda kv: int(kv[0])):
-        was = min(ms[s] for s in goals.STOCK) / max(ms[o] for o in goals.OURS)
-        now = after.get(int(pp))
-        rows.append([f"1F1B step at 8 MiB, pp {pp}: faster stock / slower megatron_p2p", f"{was:.2f}x",
-                     f"{ranged(now)}x" if now else NOT_MEASURED])
-    return rows
-
-
-def _overhead_rows(results: dict, before: dict) -> list[list[str]]:
-    old = before["host_overhead_cpu_us"]
-    reps = results["overhead_repeats"]
-    ratios = [goals.overhead_ratio(r) for r in reps]
-    rows = [["host overhead: megatron_p2p / torch.distributed isend+irecv x4 (CPU time to post)",
-             f"{old['megatron_p2p'] / old['torch_isend_irecv']:.3f}", ranged(ratios, ".3f")]]
-    null = [goals.binding_layer_us(r) for r in reps]
-    rows.append(["binding layer: null transport, CPU us per four-op exchange", "not measured",
-                 NOT_MEASURED if None in null else ranged(null)])
-    return rows
+def _goal_text(goal: dict | None) -> str:
+    if goal is None:
+        return "not a goal then"
+    if goal["ratio"] is None:
+        return "not measured"
+    spread = goal.get("spread")
+    figure = f"{goal['ratio']:.3g}" + (f" [{spread['min']:.3g}-{spread['max']:.3g}]" if spread else "")
+    return f"{figure} ({'met' if goal['met'] else 'missed'})"
 
 
 def _latency_rows(results: dict, before: dict) -> list[list[str]]:
-    after = {p["bytes"]: i for i, p in enumerate(results["latency_repeats"][0])}
-    rows = []
-    for size, old in sorted(before["latency_us"].items(), key=lambda kv: int(kv[0])):
-        i = after.get(int(size))
-        now = NOT_MEASURED
-        if i is not None:
-            us = [r[i]["us"]["megatron_p2p"] for r in results["latency_repeats"]]
-            now = f"{ranged([u['median_us'] for u in us])} / {ranged([u['p99_us'] for u in us], '.1f')}"
-        rows.append([f"latency {human_bytes(int(size))}, median / p99 (us)",
-                     f"{old['median']:.2f} / {old['p99']:.1f}", now])
-    return rows
+    """The 0-1 KiB one-way latency of this package in each placement, median / p99 (us)."""
+    def figure(report: dict, contender: str, nbytes: int) -> str:
+        reps = [next((p["us"].get(contender) for p in points if p["bytes"] == nbytes), None)
+                for points in report["latency_repeats"]]
+        if None in reps:
+            return NOT_MEASURED
+        return f"{ranged([u['median_us'] for u in reps])} / {ranged([u['p99_us'] for u in reps], '.1f')}"
+
+    sizes = [p["bytes"] for p in results["latency_repeats"][0] if p["bytes"] <= goals.SMALL]
+    return [[f"latency {human_bytes(b)}, {placement}, median / p99 (us)", figure(before, c, b), figure(results, c, b)]
+            for placement, c in goals.PLACED.items() for b in sizes]
 
 
 def before_after(results: dict, before: dict) -> str:
-    """The headline figures of `before` (before.json) beside this run's."""
-    rows = (_bandwidth_rows(results, before) + _step_rows(results, before) + _overhead_rows(results, before) +
-            _latency_rows(results, before))
-    header = ["figure", f"before (commit {before['measured_at'][:7]}, {before['repeats']} run)",
-              f"after: median [min-max] of {results['repeats']} repetitions"]
+    """Every goal of this run beside the same goal in `before` (before.json, a run of this
+    benchmark with the transport before issue 30), then the small-message latencies."""
+    was = {g["name"]: g for g in before["goals"]}
+    rows = [[g["name"], _goal_text(was.get(g["name"])), _goal_text(g)] for g in results["goals"]]
+    rows += _latency_rows(results, before)
+    load = " ".join(f"{x:.2f}" for x in before["machine"]["load_average"])
+    header = ["figure", f"before (commit {before['machine']['commit'][:7]}, load {load})",
+              "after (this run)"]
     return tables.markdown_table(header, rows)
 
 
@@ -155,8 +126,9 @@ Why a goal is missed, with the profiles that show where the time goes: [PROFILE.
 
 ## Before / after
 
-The headline figures before issue 11 ({BEFORE.name}: the full run this file held then, each
-figure measured once, against a memcpy measured once per size) and in this run.
+Issue 30 made the shm progress thread run at nice 19 (PROFILE.md says why). {BEFORE.name}
+is a full run of this same benchmark with the transport as it was before (its commit below),
+on the same machine; "after" is this run. Each figure: median [min-max] over the repetitions.
 
 {before_after(results, before)}
 

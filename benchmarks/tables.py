@@ -10,6 +10,8 @@ from timing import human_bytes, ranged
 NAMES = {
     "megatron_p2p": "megatron_p2p shm",
     "megatron_p2p_arena": "megatron_p2p shm, arena buffers",
+    "megatron_p2p_pinned": "megatron_p2p shm, pinned",
+    "python_floor": "Python call floor (null transport)",
     "gloo_isend_irecv": "gloo isend/irecv",
     "gloo_batch_isend_irecv": "gloo batch_isend_irecv",
     "torch_isend_irecv": "torch.distributed isend/irecv x4",
@@ -48,25 +50,38 @@ def latency(repeats: list[list[dict]]) -> str:
     return markdown_table(["size"] + [f"{name(c)} median / p99 (us)" for c in contenders] + ["gloo / this"], rows)
 
 
+def floor_line(fl: dict) -> str:
+    """The C ping-pong floor, one-way us per placement, median [min-max] over repetitions."""
+    if not fl.get("available"):
+        return fl.get("note", "not measured")
+    return "; ".join(f"{pl} median {ranged([r['median_us'] for r in fl[pl]], '.3f')} us, "
+                     f"p99 {ranged([r['p99_us'] for r in fl[pl]], '.3f')} us" for pl in ("unpinned", "pinned") if pl in fl)
+
+
 def spread_text(s: dict[str, float]) -> str:
     return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
+BASELINE = {"one_way": "memcpy", "exchange": "memcpy_concurrent"}  # each pattern's floor (bandwidth.py)
+BASELINE_NAME = {"one_way": "memcpy", "exchange": "two memcpys at once, each"}
+
+
 def _bandwidth_pattern(bw: dict, pattern: str) -> str:
-    copy = {p["bytes"]: p for p in bw["memcpy"]}
+    copy = {p["bytes"]: p for p in bw[BASELINE[pattern]]}
     contenders = list(bw[pattern][0]["gbps"])
     rows = []
     for p in bw[pattern]:
         rows.append([human_bytes(p["bytes"]), spread_text(copy[p["bytes"]]["spread"])] +
                     [f"{p['gbps'][c]:.2f} ({spread_text(p['of_memcpy'][c])})" for c in contenders])
-    return markdown_table(["size", "memcpy"] + [name(c) for c in contenders], rows)
+    return markdown_table(["size", BASELINE_NAME[pattern]] + [name(c) for c in contenders], rows)
 
 
 def bandwidth(bw: dict) -> str:
     arena = bw["arena"]
     size = f" (arena_bytes {human_bytes(arena['arena_bytes'])})" if arena["arena_bytes"] else ""
     return ("Median GB/s (10^9 bytes per second; the exchange per direction), then in parentheses the ratio "
-            "to the memcpy measured beside it, median [min-max]; memcpy: median [min-max] GB/s. "
+            "to the baseline measured beside it (one way: a memcpy; the exchange: two memcpys at once, in "
+            "two processes), median [min-max]; baseline: median [min-max] GB/s. "
             f"megatron_p2p shm receives into plain tensors (the CMA path). Arena: {arena['note']}{size}."
             "\n\nOne-way stream\n\n" + _bandwidth_pattern(bw, "one_way") +
             "\n\nBidirectional exchange\n\n" + _bandwidth_pattern(bw, "exchange"))
@@ -98,7 +113,10 @@ def all_tables(results: dict) -> str:
     stock = results["stock"]
     parts = [
         f"Every figure: median [min-max] over {results['repeats']} repetitions.",
-        "### Latency (2 ranks, half round trip)\n\n" + latency(results["latency_repeats"]),
+        "### Latency (2 ranks, half round trip)\n\n" + latency(results["latency_repeats"]) +
+        "\n\nPinned: each rank and all its threads on a core of its own. Python call floor: the same round trip "
+        "on the null transport, on one rank. C ping-pong floor (benchmarks/floors/pingpong.c), one way: " +
+        floor_line(results["floor"]) + ".",
         "### Bandwidth (2 ranks)\n\n" + bandwidth(results["bandwidth"]),
         "### Pipeline step\n\n" + pipeline(results["pipeline"]) +
         f"\n\nStock algorithm: {stock['what']}" + (f" {stock['version']}" if stock["version"] else "") +

@@ -3,10 +3,14 @@
  * thread-local state that only these functions touch. */
 #include "engine.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include "core/clock.h"
 
 #define SPIN_SECONDS 20e-6     /* the progress thread busy-polls this long after activity */
 #define LIVENESS_PERIOD 0.05   /* how often peers' liveness is checked */
+#define PROGRESS_NICE 19       /* the progress thread yields the core to every rank's own thread */
 
 /* Between begin() and end() a posting thread collects the peers its own passes would wake and
  * wakes each once at end(): a futex wake costs microseconds, and one exchange often sends twice
@@ -85,6 +89,12 @@ void *shm_progress_main(void *arg)
 {
     shm_t *s = arg;
     shm_rank *me = my_slot(s);
+    /* A thread that wakes is favoured by the scheduler: at the rank's own priority, a peer's ring
+     * made this one preempt a rank's running thread for 4-25 us, the slow mode of a ping-pong
+     * (benchmarks/PROFILE.md). At nice 19 it runs when its core is otherwise idle, which is
+     * when its work is needed: a thread that waits drives progress itself. Best effort: a
+     * thread whose nice cannot be raised keeps its priority and its role. */
+    (void)setpriority(PRIO_PROCESS, (id_t)gettid(), PROGRESS_NICE);
     double next_liveness = mp_now() + LIVENESS_PERIOD;
     double idle_since = mp_now();
     for (;;) {
