@@ -69,7 +69,7 @@ def before_after(results: dict, before: dict) -> str:
     rows = [[g["name"], _goal_text(was.get(g["name"])), _goal_text(g)] for g in results["goals"]]
     rows += _latency_rows(results, before)
     load = " ".join(f"{x:.2f}" for x in before["machine"]["load_average"])
-    header = ["figure", f"before (commit {before['machine']['commit'][:7]}, load {load})",
+    header = ["figure", f"before (progress thread at nice 0; load {load})",
               "after (this run)"]
     return tables.markdown_table(header, rows)
 
@@ -127,8 +127,9 @@ Why a goal is missed, with the profiles that show where the time goes: [PROFILE.
 ## Before / after
 
 Issue 30 made the shm progress thread run at nice 19 (PROFILE.md says why). {BEFORE.name}
-is a full run of this same benchmark with the transport as it was before (its commit below),
-on the same machine; "after" is this run. Each figure: median [min-max] over the repetitions.
+is a full run of this same benchmark with the transport as it was before (its "about" key
+says which), on the same machine; "after" is this run. Each figure: median [min-max] over the
+repetitions, and the load average at the start of each run in the header.
 
 {before_after(results, before)}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -20,25 +21,37 @@ def _positive(x) -> bool:
 
 @pytest.mark.torchrun  # benchmarks/run.py starts torchrun jobs of its own
 def test_quick_benchmark_writes_complete_results(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    pingpong = tmp_path / "pingpong"
+    subprocess.run(["make", "-s", f"PINGPONG={pingpong}", str(pingpong)], cwd=ROOT, check=True, timeout=60)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path),
+                           "--pingpong", str(pingpong)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["complete"] and r["kind"] == "quick" and r["repeats"] == 5
     for key in ("cpu_model", "cores", "kernel", "torch", "commit"):
         assert r["machine"][key], key
 
+    placements = ["unpinned", "pinned"] if len(os.sched_getaffinity(0)) >= 2 else ["unpinned"]
+    assert r["floor"]["available"] and [k for k in r["floor"] if k in ("unpinned", "pinned")] == placements
+    for placement in placements:  # the C ping-pong, once per repetition
+        assert len(r["floor"][placement]) == 5
+        assert all(_positive(f["median_us"]) and f["p99_us"] >= f["median_us"] for f in r["floor"][placement])
+
     assert len(r["latency_repeats"]) == len(r["overhead_repeats"]) == 5
+    contenders = {"megatron_p2p", "gloo_isend_irecv", "gloo_batch_isend_irecv", "python_floor"}
+    if "pinned" in placements:
+        contenders.add("megatron_p2p_pinned")
     for points in [r["latency"], *r["latency_repeats"]]:
         assert [p["bytes"] for p in points] == [0, 8, 1024, 65536]
         for p in points:
-            assert set(p["us"]) == {"megatron_p2p", "gloo_isend_irecv", "gloo_batch_isend_irecv"}
+            assert set(p["us"]) == contenders
             assert all(_positive(f["median_us"]) and f["p99_us"] >= f["median_us"] for f in p["us"].values())
 
     bw = r["bandwidth"]
     sizes = [p["bytes"] for p in bw["memcpy"]]
     assert sizes and [p["bytes"] for p in bw["one_way"]] == sizes == [p["bytes"] for p in bw["exchange"]]
-    assert all(_positive(p["gbps"]) for p in bw["memcpy"])
+    assert [p["bytes"] for p in bw["memcpy_concurrent"]] == sizes
+    assert all(_positive(p["gbps"]) for p in bw["memcpy"] + bw["memcpy_concurrent"])
     contenders = {"megatron_p2p", "gloo_isend_irecv", "gloo_batch_isend_irecv"}
     if bw["arena"]["available"]:
         contenders.add("megatron_p2p_arena")
@@ -64,9 +77,9 @@ def test_quick_benchmark_writes_complete_results(tmp_path):
     assert all(_positive(f["cpu_median_us"]) for f in ov.values())
     assert all(_positive(o["binding_layer"]["cpu_us"]) for o in r["overhead_repeats"])
 
-    assert len(r["goals"]) == 8
+    assert len(r["goals"]) == 9
     assert all(isinstance(g["met"], bool) and math.isfinite(g["ratio"]) for g in r["goals"])
-    assert proc.stdout.count("GOAL ") == 8
+    assert proc.stdout.count("GOAL ") == 9
     assert "| size |" in proc.stdout  # the printed table
     for name in ("latency.png", "bandwidth.png", "step_time.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE, name
