@@ -48,9 +48,21 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
     }
     atomic_fetch_sub(&me->driving, 1);
     atomic_fetch_sub(&s->driving, 1);
-    /* Rings that came after the last pass skipped the wake: hand them to the progress thread. */
-    if (atomic_load(&me->bell) != seen && atomic_load(&me->sleeping))
-        mp_futex_wake(&me->bell, 1);
+    /* Rings that came after the last pass skipped the wake, and later ones wake by themselves.
+     * Pass for the skipped ones here: waking the progress thread would cost a futex wake on the
+     * way back to Python, and its pass would then take this core from its rank. Only when
+     * another thread holds the engine does the progress thread get them. */
+    while (atomic_load(&me->bell) != seen) {
+        if (pthread_mutex_trylock(&s->engine) != 0) {
+            if (atomic_load(&me->sleeping))
+                mp_futex_wake(&me->bell, 1);
+            break;
+        }
+        seen = atomic_load(&me->bell);
+        while (shm_engine_pass(s))
+            ;
+        pthread_mutex_unlock(&s->engine);
+    }
 }
 
 /* Whether `op` is the next op of run `o`: the same channel, shape and call, the following seq. */
