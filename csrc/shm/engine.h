@@ -91,7 +91,7 @@ void shm_finish(shm_t *s, mp_step *step, mp_op *op, mp_result r);
 void shm_post_descriptor(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl, uint32_t path);
 void shm_recv_done(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local *cl, mp_result r);
 void shm_answer(shm_t *s, mp_op *op, shm_chan *ch);
-void shm_free_head(step_queue *q);
+void shm_free_head(shm_t *s, step_queue *q);
 int shm_progress_lane(shm_t *s, step_queue *q);
 void shm_settle_answered_sends(shm_t *s);
 

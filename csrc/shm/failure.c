@@ -86,22 +86,17 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
     }
 }
 
-static void free_queue(step_queue *q)
+static void free_queue(shm_t *s, step_queue *q)
 {
-    mp_step *st = q->head;
-    while (st) {
-        mp_step *next = st->next;
-        free(st);
-        st = next;
-    }
-    q->head = q->tail = NULL;
+    while (q->head)
+        shm_free_head(s, q);
 }
 
 void shm_fail_queue(shm_t *s, step_queue *q, mp_result r, const char *why)
 {
     for (mp_step *st = q->head; st; st = st->next)
         fail_step(s, st, r, why);
-    free_queue(q);
+    free_queue(s, q);
 }
 
 /* Whether peer `r`'s process has exited: its pidfd is readable, or its pid is gone. */
@@ -224,7 +219,7 @@ int shm_fail_unserved(shm_t *s, int departed)
             failed = 1;
         }
         if (step->remaining == 0)
-            shm_free_head(&s->lanes[l]); /* the next step goes on at the next pass */
+            shm_free_head(s, &s->lanes[l]); /* the next step goes on at the next pass */
     }
     return failed;
 }

@@ -284,7 +284,7 @@ void shm_settle_answered_sends(shm_t *s)
             }
         }
         if (step->remaining == 0)
-            shm_free_head(q);
+            shm_free_head(s, q);
     }
 }
 
@@ -478,13 +478,14 @@ static void activate(shm_t *s, mp_step *step)
 
 /* Frees a lane's head step once its ops have all finished: a lane holds only steps with an op
  * still to finish, which is what a closing rank counts as pending. */
-void shm_free_head(step_queue *q)
+void shm_free_head(shm_t *s, step_queue *q)
 {
     mp_step *step = q->head;
     q->head = step->next;
     if (!q->head)
         q->tail = NULL;
     free(step);
+    atomic_fetch_sub(&my_slot(s)->unfinished, 1);
 }
 
 int shm_progress_lane(shm_t *s, step_queue *q)
@@ -504,7 +505,7 @@ int shm_progress_lane(shm_t *s, step_queue *q)
         }
         if (step->remaining > 0)
             break;
-        shm_free_head(q);
+        shm_free_head(s, q);
         moved = 1;
     }
     return moved;

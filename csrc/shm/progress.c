@@ -30,6 +30,19 @@ void shm_ring(shm_t *s, int rank)
         mp_futex_wake(&r->bell, 1);
 }
 
+/* News about a message, for its peer: only a step the peer has posted can use it, and the
+ * peer's next post passes its engine itself, after raising `unfinished` (shm_post's fence pairs
+ * with this one). A rank between two ops, in Python, is not woken for nothing: that wake ran
+ * its progress thread on the core of a rank that was working (benchmarks/PROFILE.md). */
+static void ring_with_news(shm_t *s, int rank)
+{
+    shm_rank *r = shm_rank_at(&s->v, rank);
+    atomic_fetch_add(&r->bell, 1);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load(&r->unfinished) && atomic_load(&r->sleeping) && !atomic_load(&r->driving))
+        mp_futex_wake(&r->bell, 1);
+}
+
 /* News for the peer of an op, from the engine. This process's own news is seen by the engine
  * holder, which passes again whenever a pass moved anything. */
 void shm_ring_peer(shm_t *s, const mp_op *op)
@@ -45,7 +58,7 @@ void shm_ring_peer(shm_t *s, const mp_op *op)
             return;
         }
     }
-    shm_ring(s, op->peer);
+    ring_with_news(s, op->peer);
 }
 
 static void enqueue(step_queue *q, mp_step *step)
@@ -164,7 +177,10 @@ mp_result shm_post(mp_transport *t, mp_step *step)
             shm_answer(s, op, ch);
     }
     deferred_wakes.deferring = 0;
-    atomic_thread_fence(memory_order_seq_cst); /* issued before reading what peers posted: see shm_post_descriptor() */
+    atomic_fetch_add(&my_slot(s)->unfinished, 1);
+    /* Issued and unfinished before reading what peers posted: see shm_post_descriptor() and
+     * ring_with_news(). */
+    atomic_thread_fence(memory_order_seq_cst);
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);
     if (atomic_load_explicit(&s->watching, memory_order_relaxed))
@@ -197,7 +213,7 @@ mp_result shm_end(mp_transport *t)
     if (deferred_wakes.in_call != t)
         return MP_OK;
     for (int i = 0; i < deferred_wakes.n; i++)
-        shm_ring(s, deferred_wakes.peers[i]);
+        ring_with_news(s, deferred_wakes.peers[i]);
     deferred_wakes.n = 0;
     deferred_wakes.in_call = NULL;
     return MP_OK;

@@ -13,7 +13,7 @@
 #include "core/result.h"
 
 #define SHM_MAGIC 0x6d70327073686d31ULL /* "mp2pshm1" */
-#define SHM_VERSION 4u
+#define SHM_VERSION 5u
 #define SHM_NSLOTS 8u          /* descriptors in flight per channel (NCCL-like buffering depth) */
 #define SHM_NCHUNKS 4u         /* bounce-buffer chunks per channel (two-copy path) */
 #define SHM_INLINE_BYTES 4096u /* messages up to this size travel inside the descriptor slot */
@@ -31,6 +31,7 @@ typedef struct {
     _Atomic uint32_t bell;     /* futex word: bumped by anyone who has news for this rank */
     _Atomic uint32_t sleeping; /* the rank's progress thread waits on `bell` */
     _Atomic uint32_t driving;  /* threads of the rank progressing from a wait: no wake needed */
+    _Atomic uint32_t unfinished; /* steps the rank posted and its engine has not retired */
     uint64_t probe_addr;       /* address of a word peers read to test single-copy access */
     uint64_t probe_value;
     int32_t global_rank;       /* for reports other ranks write */

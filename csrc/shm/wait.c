@@ -33,7 +33,16 @@ static void drive(shm_t *s, const mp_op *op, double deadline)
         double now = mp_now();
         if (now >= deadline || now >= moved_at + DRIVE_SPIN_SECONDS)
             break;
-        if (pthread_mutex_trylock(&s->engine) == 0) {
+        int engine = pthread_mutex_trylock(&s->engine) == 0;
+        if (!engine && now >= moved_at + DRIVE_YIELD_AFTER) {
+            /* Its holder has work in hand, often a copy the progress thread began before this
+             * wait: spinning would take the core from it (at nice 19 it gets almost none), so
+             * sleep on the lock. */
+            pthread_mutex_lock(&s->engine);
+            engine = 1;
+            now = mp_now();
+        }
+        if (engine) {
             seen = atomic_load(&me->bell);
             while (shm_engine_pass(s))
                 moved_at = now;
