@@ -232,17 +232,11 @@ tsan: build/tsan/shm_engine_stress_tsan
 
 # The benchmark suite (benchmarks/run.py): torchrun jobs with wall-clock limits, then one JSON,
 # PNG plots, a table and a goal line per goal. `bench` also rewrites benchmarks/RESULTS.md.
-# The C ping-pong is the floor the latency goals are ratios to.
-PINGPONG := build/bench/pingpong
-$(PINGPONG): benchmarks/floors/pingpong.c
-	mkdir -p $(@D)
-	gcc -std=c11 -O2 -Wall -Wextra -Werror -o $@ $<
+bench: $(TESTING)
+	$(PY) benchmarks/run.py --results-md benchmarks/RESULTS.md
 
-bench: $(TESTING) $(PINGPONG)
-	$(PY) benchmarks/run.py --pingpong $(PINGPONG) --results-md benchmarks/RESULTS.md
-
-bench-quick: $(TESTING) $(PINGPONG)
-	$(PY) benchmarks/run.py --pingpong $(PINGPONG) --quick
+bench-quick: $(TESTING)
+	$(PY) benchmarks/run.py --quick
 
 clean:
 	rm -rf build megatron_p2p/*.so

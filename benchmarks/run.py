@@ -22,7 +22,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import floor  # noqa: E402
 import goals  # noqa: E402
 import launch  # noqa: E402
 import machine  # noqa: E402
@@ -90,8 +89,6 @@ def main() -> int:
                         help="repetitions of every figure; goals take the median ratio (default 5)")
     parser.add_argument("--out", type=Path, help="output directory (default benchmarks/results[/quick])")
     parser.add_argument("--results-md", type=Path, help="also rewrite this RESULTS.md, plots beside it in figures/")
-    parser.add_argument("--pingpong", type=Path,
-                        help="the C ping-pong floor program (make bench builds it); without it no latency floor")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -104,8 +101,6 @@ def main() -> int:
               "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine.describe(), "jobs": [], "complete": False}
     jobs, run_limit = plan(args.quick, args.repeats)
-    report["floor"] = floor.measure(args.pingpong, args.repeats)  # first: nothing else runs yet
-    print("== C ping-pong floor: " + tables.floor_line(report["floor"]), flush=True)
     job_results = {}
     for job in jobs:
         left = run_limit - (time.monotonic() - started)

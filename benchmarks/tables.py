@@ -12,6 +12,8 @@ NAMES = {
     "megatron_p2p_arena": "megatron_p2p shm, arena buffers",
     "megatron_p2p_pinned": "megatron_p2p shm, pinned",
     "python_floor": "Python call floor (null transport)",
+    "c_floor": "C floor",
+    "c_floor_pinned": "C floor, pinned",
     "gloo_isend_irecv": "gloo isend/irecv",
     "gloo_batch_isend_irecv": "gloo batch_isend_irecv",
     "torch_isend_irecv": "torch.distributed isend/irecv x4",
@@ -48,14 +50,6 @@ def latency(repeats: list[list[dict]]) -> str:
                     [f"{ranged(of(c, 'median_us'))} / {ranged(of(c, 'p99_us'), '.1f')}" for c in contenders] +
                     [f"{ranged(gloo_ratio, '.1f')}x"])
     return markdown_table(["size"] + [f"{name(c)} median / p99 (us)" for c in contenders] + ["gloo / this"], rows)
-
-
-def floor_line(fl: dict) -> str:
-    """The C ping-pong floor, one-way us per placement, median [min-max] over repetitions."""
-    if not fl.get("available"):
-        return fl.get("note", "not measured")
-    return "; ".join(f"{pl} median {ranged([r['median_us'] for r in fl[pl]], '.3f')} us, "
-                     f"p99 {ranged([r['p99_us'] for r in fl[pl]], '.3f')} us" for pl in ("unpinned", "pinned") if pl in fl)
 
 
 def spread_text(s: dict[str, float]) -> str:
@@ -115,8 +109,8 @@ def all_tables(results: dict) -> str:
         f"Every figure: median [min-max] over {results['repeats']} repetitions.",
         "### Latency (2 ranks, half round trip)\n\n" + latency(results["latency_repeats"]) +
         "\n\nPinned: each rank and all its threads on a core of its own. Python call floor: the same round trip "
-        "on the null transport, on one rank. C ping-pong floor (benchmarks/floors/pingpong.c), one way: " +
-        floor_line(results["floor"]) + ".",
+        "on the null transport, on one rank. C floor: the same two ranks bounce a counter through one shared page "
+        "in C, between their round trips (megatron_p2p._testing.pingpong), unpinned and pinned.",
         "### Bandwidth (2 ranks)\n\n" + bandwidth(results["bandwidth"]),
         "### Pipeline step\n\n" + pipeline(results["pipeline"]) +
         f"\n\nStock algorithm: {stock['what']}" + (f" {stock['version']}" if stock["version"] else "") +

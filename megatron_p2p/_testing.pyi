@@ -3,6 +3,7 @@ from collections.abc import Callable, Iterable
 from ._C import Communicator
 
 def corrupt_segment(comm: Communicator, seed: int, fields: int = ...) -> list[str]: ...
+def pingpong(name: str, rank: int, round_trips: int, timeout: float = ...) -> list[float]: ...
 
 # _C.Communicator's arguments, without the backend (it is "null").
 def null_communicator(

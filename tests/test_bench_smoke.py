@@ -21,26 +21,19 @@ def _positive(x) -> bool:
 
 @pytest.mark.torchrun  # benchmarks/run.py starts torchrun jobs of its own
 def test_quick_benchmark_writes_complete_results(tmp_path):
-    pingpong = tmp_path / "pingpong"
-    subprocess.run(["make", "-s", f"PINGPONG={pingpong}", str(pingpong)], cwd=ROOT, check=True, timeout=60)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path),
-                           "--pingpong", str(pingpong)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["complete"] and r["kind"] == "quick" and r["repeats"] == 5
     for key in ("cpu_model", "cores", "kernel", "torch", "commit"):
         assert r["machine"][key], key
 
-    placements = ["unpinned", "pinned"] if len(os.sched_getaffinity(0)) >= 2 else ["unpinned"]
-    assert r["floor"]["available"] and [k for k in r["floor"] if k in ("unpinned", "pinned")] == placements
-    for placement in placements:  # the C ping-pong, once per repetition
-        assert len(r["floor"][placement]) == 5
-        assert all(_positive(f["median_us"]) and f["p99_us"] >= f["median_us"] for f in r["floor"][placement])
-
+    pinnable = len(os.sched_getaffinity(0)) >= 2
     assert len(r["latency_repeats"]) == len(r["overhead_repeats"]) == 5
-    contenders = {"megatron_p2p", "gloo_isend_irecv", "gloo_batch_isend_irecv", "python_floor"}
-    if "pinned" in placements:
-        contenders.add("megatron_p2p_pinned")
+    contenders = {"megatron_p2p", "c_floor", "gloo_isend_irecv", "gloo_batch_isend_irecv", "python_floor"}
+    if pinnable:
+        contenders |= {"megatron_p2p_pinned", "c_floor_pinned"}
     for points in [r["latency"], *r["latency_repeats"]]:
         assert [p["bytes"] for p in points] == [0, 8, 1024, 65536]
         for p in points:

@@ -3,6 +3,7 @@
  * _C's capsule (python/capi.h). Built by the Makefile's test and benchmark targets alone. */
 #include "python/capi.h"
 #include "null_transport.h"
+#include "pingpong.h"
 #include "shm_corrupt.h"
 
 typedef struct {
@@ -61,6 +62,57 @@ static PyObject *null_communicator(PyObject *mod, PyObject *args, PyObject *kwar
     return comm;
 }
 
+/* The latency benchmark's C floor, run by both ranks between their round trips. */
+static PyObject *pingpong(PyObject *mod, PyObject *args, PyObject *kwargs)
+{
+    (void)mod;
+    static char *kwlist[] = {"name", "rank", "round_trips", "timeout", NULL};
+    const char *name;
+    int rank;
+    Py_ssize_t trips;
+    double timeout = 10.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sin|d:pingpong", kwlist, &name, &rank, &trips, &timeout))
+        return NULL;
+    if (name[0] != '/' || strchr(name + 1, '/') || strlen(name) > 200)
+        return PyErr_Format(PyExc_ValueError, "name must be '/' and up to 200 characters without '/', got %R",
+                            PyTuple_GET_ITEM(args, 0));
+    if (rank != 0 && rank != 1)
+        return PyErr_Format(PyExc_ValueError, "rank must be 0 or 1, got %d", rank);
+    if (trips < 1)
+        return PyErr_Format(PyExc_ValueError, "round_trips must be at least 1, got %zd", trips);
+    if (!(timeout > 0))
+        return PyErr_Format(PyExc_ValueError, "timeout must be positive, got %g", timeout);
+    double *oneway = rank == 0 ? PyMem_RawMalloc(sizeof *oneway * (size_t)trips) : NULL;
+    if (rank == 0 && !oneway)
+        return PyErr_NoMemory();
+    char why[300] = "";
+    int e;
+    Py_BEGIN_ALLOW_THREADS
+    e = mp_pingpong(name, rank, (size_t)trips, timeout, oneway, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
+    if (e) {
+        PyObject *exc = PyObject_CallFunction(PyExc_OSError, "is", e, why);
+        if (exc) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+    } else if (!oneway) {
+        out = PyList_New(0); /* rank 1 takes part and times nothing */
+    } else if ((out = PyList_New(trips))) {
+        for (Py_ssize_t i = 0; i < trips; i++) {
+            PyObject *f = PyFloat_FromDouble(oneway[i]);
+            if (!f) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, i, f);
+        }
+    }
+    PyMem_RawFree(oneway);
+    return out;
+}
+
 static PyMethodDef testing_methods[] = {
     {"corrupt_segment", (PyCFunction)(void (*)(void))corrupt_segment, METH_VARARGS | METH_KEYWORDS,
      "corrupt_segment(comm, seed, fields=1) -> [str, ...]\n\n"
@@ -70,6 +122,13 @@ static PyMethodDef testing_methods[] = {
      "null_communicator(unique_id, group_rank, ranks, **options) -> Communicator\n\n"
      "A Communicator over the null transport, which completes every op when it is posted, with no copy and no "
      "peer: what a call costs on it is the binding layer's own cost. For benchmarks and the binding-layer tests."},
+    {"pingpong", (PyCFunction)(void (*)(void))pingpong, METH_VARARGS | METH_KEYWORDS,
+     "pingpong(name, rank, round_trips, timeout=10.0) -> [float, ...]\n\n"
+     "The latency benchmark's C floor, called by two processes at once, ranks 0 and 1: they bounce a counter "
+     "`round_trips` times through the shared page `name` (rank 0 creates it and unlinks it once rank 1 has it "
+     "mapped), each spinning then yielding as the shm transport waits. Rank 0 gets each trip's one-way time in "
+     "microseconds, rank 1 an empty list. TimeoutError when the other side does not answer within `timeout` "
+     "seconds of the call."},
     {NULL},
 };
 
