@@ -69,6 +69,7 @@ typedef struct mp_step {
     int nops;
     int remaining;
     int activated;
+    int more_follow; /* the same call posts further steps right after this one */
     struct mp_op *settled; /* shm: its ops whose own work is done, shown done with the last one */
     struct mp_step *next;
     mp_op *ops[];

@@ -173,8 +173,10 @@ static int post_steps(CommObject *self, const step_plan *plans, int nsteps, cons
     int posted = 0; /* steps the transport took */
     if (made == nsteps) { /* numbered only once all can be posted: the sequences never skip */
         double now = mp_wall_time();
-        for (int i = 0; i < nsteps; i++)
+        for (int i = 0; i < nsteps; i++) {
             number_step(self, &plans[i], steps[i], call_name, now);
+            steps[i]->more_follow = i + 1 < nsteps;
+        }
         mp_transport *t = mp_comm_enter(self); /* open: the callers checked */
         if (!t) {
             r = MP_ERR_CLOSED;

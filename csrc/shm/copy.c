@@ -14,12 +14,18 @@
 #define CMA_CHUNK (4u << 20)   /* one process_vm_readv call; large single calls are slow */
 #define COPY_CHUNK (16u << 20) /* bytes one op copies per pass, so ops on other lanes interleave */
 #define EXIT_GRACE 0.2 /* seconds from a process unmapping its memory to its exit, at most */
+/* A slice this large takes long enough (100 us and more) that the wakes a posting thread holds
+ * go out first (shm_send_deferred_wakes): in an exchange, the peer's copy waits for this rank's
+ * offer, and held until end() the two copies ran one after the other. */
+#define LONG_COPY (1u << 20)
 
 /* The one copy of an arena send: straight into the receiver's buffer, a slice per pass so that
  * ops on other lanes interleave; then the descriptor says the bytes are there. */
 int shm_copy_to_arena(shm_t *s, mp_op *op, uint32_t c, shm_chan *ch, chan_local *cl)
 {
     uint64_t n = op->nbytes - op->progress < COPY_CHUNK ? op->nbytes - op->progress : COPY_CHUNK;
+    if (n >= LONG_COPY)
+        shm_send_deferred_wakes(s);
     memcpy((char *)op->remote + op->progress, (const char *)op->buf + op->progress, n);
     op->progress += n;
     if (op->progress == op->nbytes) {
@@ -90,6 +96,8 @@ static int exits_soon(shm_t *s, int r)
 int shm_copy_cma(shm_t *s, mp_step *step, mp_op *op, shm_chan *ch, chan_local *cl)
 {
     uint64_t budget = COPY_CHUNK;
+    if (op->nbytes - op->progress >= LONG_COPY)
+        shm_send_deferred_wakes(s);
     while (op->progress < op->nbytes && budget) {
         uint64_t n = op->nbytes - op->progress;
         if (n > CMA_CHUNK)

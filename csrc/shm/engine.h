@@ -119,6 +119,9 @@ void shm_describe_peer(mp_transport *t, const mp_op *op, char *buf, size_t len);
 
 void shm_ring(shm_t *s, int rank);
 void shm_ring_peer(shm_t *s, const mp_op *op);
+/* The wakes a posting thread holds until end(), sent now: before a copy that takes long, since a
+ * peer waiting for this rank's offer would otherwise wait for the whole copy. */
+void shm_send_deferred_wakes(shm_t *s);
 int shm_engine_pass(shm_t *s);
 void *shm_progress_main(void *arg);
 mp_result shm_post(mp_transport *t, mp_step *step);

@@ -61,6 +61,13 @@ void shm_ring_peer(shm_t *s, const mp_op *op)
     ring_with_news(s, op->peer);
 }
 
+void shm_send_deferred_wakes(shm_t *s)
+{
+    for (int i = 0; i < deferred_wakes.n; i++)
+        ring_with_news(s, deferred_wakes.peers[i]);
+    deferred_wakes.n = 0;
+}
+
 static void enqueue(step_queue *q, mp_step *step)
 {
     step->next = NULL;
@@ -148,6 +155,21 @@ void *shm_progress_main(void *arg)
 
 /* ---- the interface ---------------------------------------------------------------------- */
 
+/* Publishes what was posted at once when the engine is free, so that it progresses while Python
+ * computes; otherwise the engine's holder is running and the bell makes it look again. */
+static void pass_after_post(shm_t *s)
+{
+    if (pthread_mutex_trylock(&s->engine) == 0) {
+        deferred_wakes.deferring = deferred_wakes.in_call == s;
+        while (shm_engine_pass(s))
+            ;
+        deferred_wakes.deferring = 0;
+        pthread_mutex_unlock(&s->engine);
+    } else {
+        shm_ring(s, s->base.rank);
+    }
+}
+
 mp_result shm_post(mp_transport *t, mp_step *step)
 {
     shm_t *s = as_shm(t);
@@ -185,17 +207,11 @@ mp_result shm_post(mp_transport *t, mp_step *step)
     pthread_mutex_unlock(&s->lock);
     if (atomic_load_explicit(&s->watching, memory_order_relaxed))
         atomic_fetch_add(&my_slot(s)->wait_epoch, 1); /* another thread posts during a wait: not blocked */
-    /* Publish at once when the engine is free; otherwise its holder is running and the bell
-     * makes sure it looks again. */
-    if (pthread_mutex_trylock(&s->engine) == 0) {
-        deferred_wakes.deferring = deferred_wakes.in_call == s;
-        while (shm_engine_pass(s))
-            ;
-        deferred_wakes.deferring = 0;
-        pthread_mutex_unlock(&s->engine);
-    } else {
-        shm_ring(s, t->rank);
-    }
+    /* One pass once the call's last step is posted: a pass after an earlier step could copy a
+     * large send before the later steps made their offers, and the peer's copy would wait for
+     * this one (an exchange's two copies ran one after the other). */
+    if (!step->more_follow)
+        pass_after_post(s);
     return MP_OK;
 }
 
@@ -212,9 +228,7 @@ mp_result shm_end(mp_transport *t)
     shm_t *s = as_shm(t);
     if (deferred_wakes.in_call != t)
         return MP_OK;
-    for (int i = 0; i < deferred_wakes.n; i++)
-        ring_with_news(s, deferred_wakes.peers[i]);
-    deferred_wakes.n = 0;
+    shm_send_deferred_wakes(s);
     deferred_wakes.in_call = NULL;
     return MP_OK;
 }

@@ -344,6 +344,7 @@ static void post_step(lane_ctx *c, const plan_step *plan, int round)
     posted_step *p = xmalloc(sizeof *p);
     memset(p, 0, sizeof *p);
     mp_step *step = xmalloc(sizeof(mp_step) + sizeof(mp_op *) * (size_t)plan->nops);
+    step->more_follow = 0;
     p->plan = *plan;
     p->round = round;
     for (int i = 0; i < plan->nops; i++) {
