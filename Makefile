@@ -76,7 +76,7 @@ build/fakes/libcuda.so.1: tests/fakes/libcuda.c tests/fakes/mpfake.h
 
 # Linked against the fake driver next to it ($$ORIGIN), so that both loaders get one copy; only
 # NCCL's API and the model's counters are exported (nccl_model.h: API).
-NCCL_MODEL := tests/fakes/libnccl.c tests/fakes/nccl_kernels.c tests/fakes/nccl_groups.c
+NCCL_MODEL := tests/fakes/libnccl.c tests/fakes/nccl_kernels.c tests/fakes/nccl_groups.c tests/fakes/nccl_rma.c
 build/fakes/libnccl.so.2: $(NCCL_MODEL) tests/fakes/nccl_model.h tests/fakes/mpfake.h build/fakes/libcuda.so.1
 	$(CC) $(FAKE_CFLAGS) -fvisibility=hidden -Wl,-soname,libnccl.so.2 -o $@.tmp $(NCCL_MODEL) -Lbuild/fakes -l:libcuda.so.1 \
 		'-Wl,-rpath,$$ORIGIN' -lrt && mv $@.tmp $@
@@ -221,6 +221,13 @@ ENGINE_PROGRAM = mkdir -p $(@D) && gcc $(ENGINE_CFLAGS) -O2 -o $@ $< $(ENGINE_SO
 # tests/test_deadlock.py builds this one: a deadlock cycle's fencing held half-done on purpose.
 %/shm_fence_order: tests/c/shm_fence_order.c $(ENGINE_SOURCES) $(wildcard csrc/*/*.h)
 	$(ENGINE_PROGRAM)
+
+# NCCL's one-sided API driven as a user drives it (tests/test_nccl_model_rma.py): linked to the
+# model here, and to the real libraries by tests/gpu/run_device_checks.sh.
+%/nccl_rma_check: tests/c/nccl_rma_check.c csrc/nccl/nccl_abi.h $(FAKES)
+	mkdir -p $(@D)
+	gcc -std=c11 -Wall -Wextra -Werror -g -Icsrc -o $@ $< -L$(CURDIR)/build/fakes -l:libnccl.so.2 -l:libcuda.so.1 \
+		-Wl,-rpath,$(CURDIR)/build/fakes -ldl
 
 build/tsan/shm_engine_stress_tsan: tests/c/shm_engine_stress.c $(ENGINE_SOURCES) $(wildcard csrc/*/*.h)
 	mkdir -p $(@D)

@@ -16,7 +16,7 @@ def compile_check(abi_header_dir: Path, out: Path) -> subprocess.CompletedProces
     wheel = wheel_dir()
     cmd = [
         "gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", str(ABI / "stub"), "-iquote", str(abi_header_dir),
-        "-I", str(wheel / "include"), str(ABI / "check_nccl_abi.c"), "-o", str(out),
+        "-isystem", str(wheel / "include"), str(ABI / "check_nccl_abi.c"), "-o", str(out),
         "-L", str(wheel / "lib"), "-l:libnccl.so.2", f"-Wl,-rpath,{wheel / 'lib'}",
     ]
     return subprocess.run(cmd, capture_output=True, text=True)
@@ -38,8 +38,13 @@ def test_nccl_abi_header_matches_the_real_nccl_h(tmp_path):
         ("    int blocking;", "    int pad;\n    int blocking;"),
         ("mp_ncclComm_t comm, void *stream);\ntypedef mp_ncclResult_t (*mp_ncclRecv_fn)",
          "mp_ncclComm_t comm);\ntypedef mp_ncclResult_t (*mp_ncclRecv_fn)"),
+        ("    _Bool hostRmaSupport;", "    int hostRmaSupport;"),
+        ("    int sigIdx; /* 0 in 2.30 */\n    int ctx;", "    int ctx;\n    int sigIdx;"),
+        ("unsigned int flags, mp_ncclComm_t comm, void *stream);\ntypedef mp_ncclResult_t (*mp_ncclSignal_fn)",
+         "mp_ncclComm_t comm, void *stream);\ntypedef mp_ncclResult_t (*mp_ncclSignal_fn)"),
     ],
-    ids=["result code", "datatype", "config layout", "prototype"],
+    ids=["result code", "datatype", "config layout", "prototype", "properties layout", "wait descriptor",
+         "put prototype"],
 )
 def test_a_wrong_abi_value_fails_the_check(tmp_path, wrong):
     header = (ROOT / "csrc" / "nccl" / "nccl_abi.h").read_text()

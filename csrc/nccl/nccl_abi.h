@@ -81,4 +81,52 @@ typedef mp_ncclResult_t (*mp_ncclRecv_fn)(void *buf, size_t count, mp_ncclDataTy
 typedef const char *(*mp_ncclGetErrorString_fn)(mp_ncclResult_t result);
 typedef const char *(*mp_ncclGetLastError_fn)(mp_ncclComm_t comm);
 
+/* ---- one-sided RMA (2.29 and later; docs/nccl-model.md cites what each call does) ---------- */
+
+typedef struct mp_nccl_window_opaque *mp_ncclWindow_t;
+#define MP_NCCL_WIN_DEFAULT 0x00
+#define MP_NCCL_WIN_COLL_SYMMETRIC 0x01
+#define MP_NCCL_WIN_REQUIRED_ALIGNMENT 4096
+/* The first release whose ncclCommQueryProperties fills hostRmaSupport is after this one. */
+#define MP_NCCL_PROPERTIES_RMA_AFTER MP_NCCL_VERSION(2, 29, 3)
+
+typedef struct {
+    int opCnt; /* signals to wait for, beyond those earlier waits counted */
+    int peer;
+    int sigIdx; /* 0 in 2.30 */
+    int ctx;    /* 0 in 2.30 */
+} mp_ncclWaitSignalDesc;
+
+/* ncclCommProperties_t (nccl_device/core.h), through the fields of 2.30; made as
+ * NCCL_COMM_PROPERTIES_INITIALIZER makes it: size, magic, version, the rest 0. */
+typedef struct {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int rank;
+    int nRanks;
+    int cudaDev;
+    int nvmlDev;
+    _Bool deviceApiSupport;
+    _Bool multimemSupport;
+    int ginType;
+    int nLsaTeams;
+    _Bool hostRmaSupport;
+    int railedGinType;
+} mp_ncclCommProperties;
+
+typedef mp_ncclResult_t (*mp_ncclMemAlloc_fn)(void **ptr, size_t size);
+typedef mp_ncclResult_t (*mp_ncclMemFree_fn)(void *ptr);
+typedef mp_ncclResult_t (*mp_ncclCommWindowRegister_fn)(mp_ncclComm_t comm, void *buff, size_t size,
+                                                        mp_ncclWindow_t *win, int flags);
+typedef mp_ncclResult_t (*mp_ncclCommWindowDeregister_fn)(mp_ncclComm_t comm, mp_ncclWindow_t win);
+typedef mp_ncclResult_t (*mp_ncclPutSignal_fn)(const void *localbuff, size_t count, mp_ncclDataType_t type, int peer,
+                                               mp_ncclWindow_t peer_win, size_t peer_win_offset, int sig_idx, int ctx,
+                                               unsigned int flags, mp_ncclComm_t comm, void *stream);
+typedef mp_ncclResult_t (*mp_ncclSignal_fn)(int peer, int sig_idx, int ctx, unsigned int flags, mp_ncclComm_t comm,
+                                            void *stream);
+typedef mp_ncclResult_t (*mp_ncclWaitSignal_fn)(int ndesc, mp_ncclWaitSignalDesc *descs, mp_ncclComm_t comm,
+                                                void *stream);
+typedef mp_ncclResult_t (*mp_ncclCommQueryProperties_fn)(mp_ncclComm_t comm, mp_ncclCommProperties *props);
+
 #endif

@@ -5,6 +5,12 @@
 #include <stdio.h>
 
 #include <nccl.h>
+/* nccl_device/core.h declares device helpers inline and defines them only for nvcc: as plain
+ * declarations, C compiles the header for its host API and the properties struct. */
+#include <nccl_device/utility.h>
+#undef NCCL_HOST_DEVICE_INLINE
+#define NCCL_HOST_DEVICE_INLINE
+#include <nccl_device/core.h>
 
 #include "nccl_abi.h"
 
@@ -78,8 +84,83 @@ static mp_ncclResult_t uid_shape(mp_ncclUniqueId *id) { return (mp_ncclResult_t)
 static const char *str_shape(mp_ncclResult_t r) { return ncclGetErrorString((ncclResult_t)r); }
 static const char *last_shape(mp_ncclComm_t c) { return ncclGetLastError((ncclComm_t)c); }
 
+/* One-sided RMA: the window flags, the wait descriptor and the properties struct, field by field. */
+SAME(MP_NCCL_WIN_DEFAULT, NCCL_WIN_DEFAULT);
+SAME(MP_NCCL_WIN_COLL_SYMMETRIC, NCCL_WIN_COLL_SYMMETRIC);
+SAME(MP_NCCL_WIN_REQUIRED_ALIGNMENT, NCCL_WIN_REQUIRED_ALIGNMENT);
+SAME(sizeof(mp_ncclWindow_t), sizeof(ncclWindow_t));
+#define DESC(f)                                                                                  \
+    SAME(offsetof(mp_ncclWaitSignalDesc, f), offsetof(ncclWaitSignalDesc_t, f));                 \
+    SAME(sizeof(((mp_ncclWaitSignalDesc *)0)->f), sizeof(((ncclWaitSignalDesc_t *)0)->f))
+DESC(opCnt);
+DESC(peer);
+DESC(sigIdx);
+DESC(ctx);
+SAME(sizeof(mp_ncclWaitSignalDesc), sizeof(ncclWaitSignalDesc_t));
+#define PROP(f)                                                                                  \
+    SAME(offsetof(mp_ncclCommProperties, f), offsetof(ncclCommProperties_t, f));                 \
+    SAME(sizeof(((mp_ncclCommProperties *)0)->f), sizeof(((ncclCommProperties_t *)0)->f))
+PROP(size);
+PROP(magic);
+PROP(version);
+PROP(rank);
+PROP(nRanks);
+PROP(cudaDev);
+PROP(nvmlDev);
+PROP(deviceApiSupport);
+PROP(multimemSupport);
+PROP(ginType);
+PROP(nLsaTeams);
+PROP(hostRmaSupport);
+PROP(railedGinType);
+SAME(sizeof(mp_ncclCommProperties), sizeof(ncclCommProperties_t));
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers" /* NCCL's initializer sets three fields */
+static const ncclCommProperties_t made_by_nccl = NCCL_COMM_PROPERTIES_INITIALIZER;
+#pragma GCC diagnostic pop
+
+static mp_ncclResult_t alloc_shape(void **p, size_t n) { return (mp_ncclResult_t)ncclMemAlloc(p, n); }
+static mp_ncclResult_t free_shape(void *p) { return (mp_ncclResult_t)ncclMemFree(p); }
+static mp_ncclResult_t reg_shape(mp_ncclComm_t c, void *b, size_t n, mp_ncclWindow_t *w, int f)
+{
+    return (mp_ncclResult_t)ncclCommWindowRegister((ncclComm_t)c, b, n, (ncclWindow_t *)w, f);
+}
+static mp_ncclResult_t dereg_shape(mp_ncclComm_t c, mp_ncclWindow_t w)
+{
+    return (mp_ncclResult_t)ncclCommWindowDeregister((ncclComm_t)c, (ncclWindow_t)w);
+}
+static mp_ncclResult_t put_shape(const void *b, size_t n, mp_ncclDataType_t t, int p, mp_ncclWindow_t w, size_t o,
+                                 int sig, int ctx, unsigned int f, mp_ncclComm_t c, void *s)
+{
+    return (mp_ncclResult_t)ncclPutSignal(b, n, (ncclDataType_t)t, p, (ncclWindow_t)w, o, sig, ctx, f, (ncclComm_t)c,
+                                          (cudaStream_t)s);
+}
+static mp_ncclResult_t signal_shape(int p, int sig, int ctx, unsigned int f, mp_ncclComm_t c, void *s)
+{
+    return (mp_ncclResult_t)ncclSignal(p, sig, ctx, f, (ncclComm_t)c, (cudaStream_t)s);
+}
+static mp_ncclResult_t wait_shape(int n, mp_ncclWaitSignalDesc *d, mp_ncclComm_t c, void *s)
+{
+    return (mp_ncclResult_t)ncclWaitSignal(n, (ncclWaitSignalDesc_t *)d, (ncclComm_t)c, (cudaStream_t)s);
+}
+static mp_ncclResult_t props_shape(mp_ncclComm_t c, mp_ncclCommProperties *p)
+{
+    return (mp_ncclResult_t)ncclCommQueryProperties((ncclComm_t)c, (ncclCommProperties_t *)p);
+}
+
 int main(void)
 {
+    mp_ncclMemAlloc_fn rma[] = {alloc_shape};
+    mp_ncclMemFree_fn mf = free_shape;
+    mp_ncclCommWindowRegister_fn wr = reg_shape;
+    mp_ncclCommWindowDeregister_fn wd = dereg_shape;
+    mp_ncclPutSignal_fn ps = put_shape;
+    mp_ncclSignal_fn sg = signal_shape;
+    mp_ncclWaitSignal_fn ws = wait_shape;
+    mp_ncclCommQueryProperties_fn qp = props_shape;
+    if (made_by_nccl.size != sizeof(mp_ncclCommProperties) || made_by_nccl.magic != MP_NCCL_CONFIG_MAGIC ||
+        made_by_nccl.version != NCCL_VERSION_CODE || !(rma[0] && mf && wr && wd && ps && sg && ws && qp))
+        return 1;
     mp_ncclSend_fn s = send_shape;
     mp_ncclRecv_fn r = recv_shape;
     mp_ncclCommInitRankConfig_fn i = init_shape;

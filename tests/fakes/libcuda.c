@@ -15,6 +15,7 @@
  *
  * Environment (read by cuInit):
  *   MPFAKE_CUDA_DEVICES              number of devices (default 1)
+ *   MPFAKE_CUDA_DRIVER_VERSION=N     what cuDriverGetVersion reports (default 13000)
  *   MPFAKE_CUDA_FAIL_SET_CURRENT_AFTER=N
  *                                    after N successful cuCtxSetCurrent calls in the process,
  *                                    every later one fails with CUDA_ERROR_INVALID_CONTEXT
@@ -131,6 +132,18 @@ CUresult cuGetErrorString(CUresult error, const char **text)
         }
     *text = NULL;
     return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Works before cuInit, as the driver's does (documented under cuDriverGetVersion). NCCL reads it
+ * for cuMem's auto-detection (src/misc/cudawrap.cc: ncclIsCuMemSupported, 12.0 or later) and
+ * before every one-sided call (src/enqueue.cc: rmaTaskAppend, 12.5 or later). */
+CUresult cuDriverGetVersion(int *version)
+{
+    if (!version)
+        return CUDA_ERROR_INVALID_VALUE;
+    const char *v = getenv("MPFAKE_CUDA_DRIVER_VERSION");
+    *version = v && v[0] ? atoi(v) : 13000;
+    return CUDA_SUCCESS;
 }
 
 CUresult cuInit(unsigned int flags)

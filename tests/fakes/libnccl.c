@@ -345,8 +345,6 @@ static void *init_main(void *arg)
  * 2.30 src/misc/param.cc ncclLoadParam): the first read, under a lock, takes the environment, into
  * which init_env has loaded NCCL's conf files, and parses with strtoll in base 0 and no end pointer (trailing text ignored, text with no number 0); unset, empty or out of range
  * is CONFIG_UNDEF_INT, NCCL's default for both parameters below (src/init.cc). */
-#define CONFIG_UNDEF_INT (-2147483647 - 1)
-#define PARAM_UNREAD (-0x7fffffffffffffffLL - 1)
 
 /* One conf file's lines into the environment, as src/misc/param.cc setEnvFile reads them: fgets
  * into 4096 bytes (a longer line reads as several), a trailing '\n' then '\r' removed, '#' lines
@@ -405,7 +403,7 @@ static void init_env(void)
     pthread_once(&once, load_conf_files);
 }
 
-static long long nccl_param(const char *name, long long *cache)
+long long nccl_param(const char *name, long long *cache)
 {
     init_env(); /* src/misc/param.cc ncclGetEnv */
     pthread_mutex_lock(&lib_lock);

@@ -47,6 +47,10 @@ typedef enum {
 #define CUDA_ERROR_CAPTURED_EVENT 907
 #define CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD 908
 
+CUresult cuDriverGetVersion(int *version);
+CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes);
+CUresult cuMemFree_v2(CUdeviceptr ptr);
+
 /* The calling thread's current context (NULL when none). */
 CUcontext mpfake_current_context(void);
 /* The context `stream` belongs to; fails as the driver would for a call on it now. */

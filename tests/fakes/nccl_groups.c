@@ -21,6 +21,8 @@ static _Thread_local ncclResult_t group_error;
 
 /* ---- groups ----------------------------------------------------------------------------------- */
 
+int in_group(void) { return group_depth > 0; }
+
 API ncclResult_t ncclGroupStart(void)
 {
     if (group_depth == 0) {

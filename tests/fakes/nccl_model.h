@@ -63,6 +63,15 @@ typedef struct {
     char eager[EAGER_SLOTS][EAGER_MAX];      /* untouched (no memory) unless eager sends are on */
 } channel;
 
+/* One rank's part of a window registered collectively (nccl_rma.c): the memory its peers map. */
+#define MAX_WINDOWS 32
+typedef struct {
+    _Atomic int published;     /* the fields below are written */
+    _Atomic int mapped;        /* the rank has mapped every peer's part: the closing barrier */
+    int32_t pid, fd;           /* the ncclMemAlloc memfd, as /proc/pid/fd/fd */
+    uint64_t offset, size;     /* of the window in it */
+} window_part;
+
 typedef struct {
     _Atomic int nranks;
     _Atomic uint64_t joined;   /* bit per rank */
@@ -71,6 +80,10 @@ typedef struct {
     _Atomic int error;         /* the first mismatch: an async error on every rank */
     char error_text[256];
     _Atomic int connecting[MAX_RANKS][MAX_RANKS]; /* [a][b]: a has reached its connect to b */
+    /* One-sided RMA (nccl_rma.c). */
+    _Atomic uint64_t rma_arrived;  /* bit per rank that made its first RMA call (implicitly collective) */
+    _Atomic uint64_t signals[MAX_RANKS][MAX_RANKS]; /* [receiver][sender]: the sender's last signal */
+    window_part windows[MAX_WINDOWS][MAX_RANKS];    /* [k-th registration][rank] */
     channel ch[];              /* [src * nranks + dst] */
 } segment;
 
@@ -132,6 +145,12 @@ typedef struct ncclComm {
     struct group_job *job;     /* the nonblocking group whose thread it has not joined yet (lib_lock) */
     _Atomic long persistent_refs; /* captured kernels whose graph still lives */
     faults f;
+    /* One-sided RMA (nccl_rma.c), under the rule of one thread per call. */
+    int rma_joined;            /* made its first RMA call */
+    int windows;               /* collective registrations made */
+    struct ncclWindow_vidmem *live_windows;
+    uint64_t signals_sent[MAX_RANKS];  /* per peer */
+    uint64_t signals_waited[MAX_RANKS]; /* per peer: what this rank's waits have asked for in all */
     _Atomic int mismatch_logged; /* the segment's mismatch, logged when this rank first saw it */
     pthread_t init_thread;
 } comm_t;
@@ -191,6 +210,11 @@ typedef struct group_job {
     comm_t **comms;
 } group_job;
 
+/* NCCL's value for a parameter or config field nothing set (src/init.cc), and a parameter's
+ * cache before its first read. */
+#define CONFIG_UNDEF_INT (-2147483647 - 1)
+#define PARAM_UNREAD (-0x7fffffffffffffffLL - 1)
+
 /* libnccl.c: the process-wide lock, the last error, and what every part uses */
 extern pthread_mutex_t lib_lock;
 void log_warning(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -203,6 +227,8 @@ const char *type_name(int type);
 void enter_call(comm_t *c, int by);
 long env_long(const char *name, long fallback); /* an MPFAKE_ option, or `fallback` */
 ncclResult_t usable(comm_t *c, const char *call);
+/* An NCCL_ parameter, read once per process into *cache; CONFIG_UNDEF_INT when unset. */
+long long nccl_param(const char *name, long long *cache);
 
 /* nccl_kernels.c: a group's kernels on the fake driver's streams */
 /* Enqueues the task's kernel on `stream` (the driver owns `t` from then on). */
@@ -210,6 +236,7 @@ CUresult enqueue_task(task_t *t, CUstream stream);
 
 /* nccl_groups.c: groups, their launch and connections, a nonblocking group's thread */
 void complete_job(comm_t *c);
+int in_group(void); /* the calling thread is between ncclGroupStart and ncclGroupEnd */
 int connected_to(comm_t *c, int peer);
 
 #endif

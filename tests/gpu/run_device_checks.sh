@@ -11,11 +11,15 @@
 #                  debug matching, CUDA graphs, the watchdog, the naive ring, a silent and a killed
 #                  peer, a size mismatch, replay of shipped programs, megatron-core's and torch's
 #                  pipeline schedules (the same steps on the model, with sizes up to 1 MiB)
+#   rma            tests/test_nccl_model_rma.py: NCCL's one-sided calls (windows, ncclPutSignal,
+#                  ncclWaitSignal, hostRmaSupport) between two processes on one GPU, with
+#                  tests/c/nccl_rma_check.c built against the real libnccl and libcuda; on the
+#                  model, the same tests against tests/fakes/
 #   gpu_exchange   benchmarks/gpu_exchange.py on the ranks two_process ran: megatron_p2p against
 #                  torch's batch_isend_irecv over the same libnccl (GPU only: needs torch's NCCL)
 # Prints PASS/FAIL with the time of each step, then a table of every check's verdict on the model
 # beside the GPU's (the model's from the dry run's results, when they travelled with the tree, in
-# build/device-dry-run/), and exits nonzero if any failed. The GPU limits add up to 465 s, under
+# build/device-dry-run/), and exits nonzero if any failed. The GPU limits add up to 475 s, under
 # the 8 minutes allowed. Results and logs land in $OUT (default ./gpu-results, or
 # build/device-dry-run with --model).
 # Carry to the GPU machine (it reaches no package index) what `make gpu-carry [NCCL_LIB=FILE]`
@@ -67,6 +71,7 @@ if [ $MODEL = 1 ]; then
     gpu_only gpu_checks "it drives torch.cuda directly"
     # The model shares 2 cores with the rest of the suite: its jobs get their full limits (a hang still ends).
     step two_process 270 "$PY" tests/gpu/two_process_checks.py --model --out "$OUT" --budget 260
+    step rma 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl_model_rma.py
     gpu_only gpu_exchange "it times torch's own NCCL, which a CPU build of torch lacks"
 else
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -95,9 +100,25 @@ else
         echo "pytest is not installed here: running the checks directly"
         step gpu_checks 60 "$PY" tests/gpu/gpu_checks.py
     fi
-    step two_process 270 "$PY" tests/gpu/two_process_checks.py --out "$OUT" --budget 260
+    step two_process 250 "$PY" tests/gpu/two_process_checks.py --out "$OUT" --budget 240
     # The ranks and NCCL settings two_process ran on; torch's NCCL over the same library.
     read -r NPROC PATH_ENV < <("$PY" -c "import json, sys; s = json.load(open(sys.argv[1])); print(s['ranks'], ' '.join(s.get('path_env', [])))" "$OUT/two_process.json" 2>/dev/null || echo "1")
+    # NCCL's one-sided calls, linked against the NCCL in use (2.29 or later has them) and libcuda.
+    NCCL_SO="${MEGATRON_P2P_NCCL_LIBRARY:-$("$PY" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)}"
+    mkdir -p build/rma
+    if gcc -std=c11 -O2 -Icsrc -o build/rma/nccl_rma_check tests/c/nccl_rma_check.c -L"$(dirname "$NCCL_SO")" \
+        -l:libnccl.so.2 -l:libcuda.so.1 -Wl,-rpath,"$(dirname "$NCCL_SO")" -ldl; then
+        if "$PY" -c "import pytest" 2>/dev/null; then
+            step rma 30 env ${PATH_ENV:-} NCCL_MULTI_RANK_GPU_ENABLE=1 MEGATRON_P2P_RMA_CHECK="$PWD/build/rma/nccl_rma_check" \
+                "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_nccl_model_rma.py
+        else  # what each scenario found, for the note; the verdicts need pytest
+            step rma 30 env ${PATH_ENV:-} NCCL_MULTI_RANK_GPU_ENABLE=1 sh -c 'for s in properties exchange order early refusals; do build/rma/nccl_rma_check $s || exit 1; done'
+        fi
+    else
+        echo "=== FAIL rma: tests/c/nccl_rma_check.c did not link against $NCCL_SO and libcuda.so.1 ==="
+        summary+=("FAIL rma (no build against $NCCL_SO)")
+        status=1
+    fi
     step gpu_exchange 90 env ${PATH_ENV:-} NCCL_MULTI_RANK_GPU_ENABLE=1 LD_PRELOAD="${MEGATRON_P2P_NCCL_LIBRARY:-}" \
         "$PY" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-1}" --local-ranks-filter 0 \
         benchmarks/gpu_exchange.py --out "$OUT/gpu_exchange.json"
