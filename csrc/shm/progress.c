@@ -178,6 +178,7 @@ mp_result shm_post(mp_transport *t, mp_step *step)
     step->remaining = step->nops;
     step->activated = 0;
     step->settled = NULL;
+    int pass_now = !step->more_follow; /* read now: once enqueued, the engine may free the step */
     pthread_mutex_lock(&s->lock);
     if (s->posters == 0 || (s->posters == 1 && !pthread_equal(s->poster, pthread_self())))
         s->posters++;
@@ -210,7 +211,7 @@ mp_result shm_post(mp_transport *t, mp_step *step)
     /* One pass once the call's last step is posted: a pass after an earlier step could copy a
      * large send before the later steps made their offers, and the peer's copy would wait for
      * this one (an exchange's two copies ran one after the other). */
-    if (!step->more_follow)
+    if (pass_now)
         pass_after_post(s);
     return MP_OK;
 }
