@@ -114,6 +114,9 @@ DEVELOPER_VARIABLES: tuple[DeveloperVariable, ...] = (
     DeveloperVariable("MEGATRON_P2P_SOAK_COMMUNICATORS", "tests", "Communicators created and closed in the soak test."),
     DeveloperVariable("MEGATRON_P2P_SOAK_RANKS", "tests", "Ranks of the soak test."),
     DeveloperVariable("MEGATRON_P2P_SOAK_SEED", "tests", "Seed of the soak test's random draw."),
+    DeveloperVariable("MEGATRON_P2P_RMA_CHECK", "tests",
+                      "Set by tests/gpu/run_device_checks.sh: tests/test_nccl_model_rma.py runs this build of "
+                      "tests/c/nccl_rma_check.c (linked to the real libnccl and libcuda) instead of the model's."),
 )
 
 BY_NAME = {v.name: v for v in VARIABLES}
