@@ -132,25 +132,15 @@ API ncclResult_t ncclMemFree(void *ptr)
 /* src/dev_runtime.cc computeLsaSize: NCCL_LSA_TEAM_SIZE (0: all) reduced by gcd to the runs of
  * consecutive ranks on one node. Every rank of the model is on one node, unless
  * MPFAKE_NCCL_RANKS_PER_NODE says how many share one. */
+static long gcd(long a, long b) { return b ? gcd(b, a % b) : a; }
+
 static int lsa_size(const comm_t *c)
 {
     static long long param = PARAM_UNREAD;
     long long team = nccl_param("NCCL_LSA_TEAM_SIZE", &param);
     long per_node = env_long("MPFAKE_NCCL_RANKS_PER_NODE", c->nranks);
-    long size = team > 0 && team != CONFIG_UNDEF_INT ? team : c->nranks;
-    for (long a = size, b = per_node > 0 ? per_node : c->nranks; b;) { /* gcd */
-        long r = a % b;
-        a = b;
-        b = r;
-        size = a;
-    }
-    for (long a = size, b = c->nranks; b;) {
-        long r = a % b;
-        a = b;
-        b = r;
-        size = a;
-    }
-    return (int)size;
+    long size = team > 0 && team != CONFIG_UNDEF_INT ? (long)team : c->nranks;
+    return (int)gcd(gcd(size, per_node > 0 ? per_node : c->nranks), c->nranks);
 }
 
 /* symmetricSupport: CUDA P2P between local ranks (always here), NCCL_WIN_ENABLE, cuMem, and one
