@@ -57,13 +57,13 @@ PLACED = {"unpinned": "megatron_p2p", "pinned": "megatron_p2p_pinned"}  # latenc
 C_FLOOR = {"unpinned": "c_floor", "pinned": "c_floor_pinned"}  # and its C floor, measured between its turns
 
 
-def _per_placement_size(results: dict, figure: Callable[[dict, int, str], float]) -> dict[tuple[str, int], list[float]]:
-    """Each (placement, 0-1 KiB size)'s `figure(us, repetition, placement)` in every repetition,
-    for the placements latency.py measured."""
+def _per_placement_size(results: dict, figure: Callable[[dict, str], float]) -> dict[tuple[str, int], list[float]]:
+    """Each (placement, 0-1 KiB size)'s `figure(us, placement)` in every repetition, for the
+    placements latency.py measured."""
     repeats = results["latency_repeats"]
     placements = [pl for pl, c in PLACED.items() if c in repeats[0][0]["us"]]
     return {(pl, b): v for pl in placements
-            for b, v in _per_small_size(repeats, lambda us, i, pl=pl: figure(us, i, pl)).items()}
+            for b, v in _per_small_size(repeats, lambda us, _, pl=pl: figure(us, pl)).items()}
 
 
 def floor_us(us: dict, placement: str) -> float:
@@ -78,7 +78,7 @@ def _worst(per_key: dict[tuple[str, int], list[float]]) -> tuple[str, int]:
 
 def latency_median(results: dict) -> dict:
     name = "small-message latency (0-1 KiB, one-way median): this package / (Python call floor + C floor)"
-    per = _per_placement_size(results, lambda us, i, pl: us[PLACED[pl]]["median_us"] / floor_us(us, pl))
+    per = _per_placement_size(results, lambda us, pl: us[PLACED[pl]]["median_us"] / floor_us(us, pl))
     worst = _worst(per)
     detail = "median [min-max] over repetitions: " + ", ".join(
         f"{pl} {b} B {ranged(v)}x" for (pl, b), v in per.items())
@@ -87,7 +87,7 @@ def latency_median(results: dict) -> dict:
 
 def latency_p99(results: dict) -> dict:
     name = "small-message latency (0-1 KiB, one-way): p99 / median of this package"
-    per = _per_placement_size(results, lambda us, i, pl: us[PLACED[pl]]["p99_us"] / us[PLACED[pl]]["median_us"])
+    per = _per_placement_size(results, lambda us, pl: us[PLACED[pl]]["p99_us"] / us[PLACED[pl]]["median_us"])
     worst = _worst(per)
     detail = "median [min-max] over repetitions: " + ", ".join(
         f"{pl} {b} B {ranged(v, '.1f')}x" for (pl, b), v in per.items())

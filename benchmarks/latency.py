@@ -5,7 +5,7 @@ divides by:
 - the C floor: the two ranks bounce a counter through one shared page in C
   (megatron_p2p._testing.pingpong), each placement taking its turn between this package's round
   trips, so it sees the same processes, cores and moment (on a VM the crossing between two vCPUs
-  moves between 0.07 and 0.25 us from one 100 ms to the next);
+  moves between 0.07 and 0.25 us within seconds);
 - the Python call floor: the same round-trip function, timed the same way, over the
   benchmark-only null transport, which completes every op when it is posted (what the
   interpreter and the binding layer cost before any byte moves), timed by rank 0 between this
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import goals
 import torch
 import torch.distributed as dist
 from timing import human_bytes, median, percentile, say
@@ -28,8 +29,8 @@ from megatron_p2p import _testing
 
 ROUNDS = 4  # contenders of a phase take turns, so a burst of load on a shared machine hits them alike
 PYTHON_FLOOR = "python_floor"
-PINNED = "megatron_p2p_pinned"
-C_FLOOR = {"megatron_p2p": "c_floor", PINNED: "c_floor_pinned"}  # each placement's C floor
+PINNED = goals.PLACED["pinned"]
+C_FLOOR = {goals.PLACED[pl]: c for pl, c in goals.C_FLOOR.items()}  # each placement's contender's C floor
 SETTLE_TRIPS = 10000  # untimed round trips first (~40 ms): the first size timed read the launch, 2-4x
 GLOO = ("gloo_isend_irecv", "gloo_batch_isend_irecv")
 

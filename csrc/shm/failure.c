@@ -86,17 +86,12 @@ static void describe_cause(shm_t *s, mp_result cause, int rank, char *buf, size_
     }
 }
 
-static void free_queue(shm_t *s, step_queue *q)
-{
-    while (q->head)
-        shm_free_head(s, q);
-}
-
 void shm_fail_queue(shm_t *s, step_queue *q, mp_result r, const char *why)
 {
     for (mp_step *st = q->head; st; st = st->next)
         fail_step(s, st, r, why);
-    free_queue(s, q);
+    while (q->head)
+        shm_free_head(s, q);
 }
 
 /* Whether peer `r`'s process has exited: its pidfd is readable, or its pid is gone. */

@@ -22,26 +22,22 @@ static _Thread_local struct {
     int peers[4];
 } deferred_wakes;
 
-void shm_ring(shm_t *s, int rank)
-{
-    shm_rank *r = shm_rank_at(&s->v, rank);
-    atomic_fetch_add(&r->bell, 1);
-    if (atomic_load(&r->sleeping) && !atomic_load(&r->driving))
-        mp_futex_wake(&r->bell, 1);
-}
-
-/* News about a message, for its peer: only a step the peer has posted can use it, and the
- * peer's next post passes its engine itself, after raising `unfinished` (shm_post's fence pairs
- * with this one). A rank between two ops, in Python, is not woken for nothing: that wake ran
- * its progress thread on the core of a rank that was working (benchmarks/PROFILE.md). */
-static void ring_with_news(shm_t *s, int rank)
+/* Bumps `rank`'s bell and wakes its progress thread when it sleeps and no thread of the rank
+ * drives. News about a message (`message`) wakes it only when the rank has a step posted and
+ * not retired: only such a step can use the news, and the rank's next post passes its engine
+ * itself, after raising `unfinished` (shm_post's fence pairs with this one). A rank between two
+ * ops, in Python, is not woken for nothing: that wake ran its progress thread on the core of a
+ * rank that was working (benchmarks/PROFILE.md). */
+static void ring(shm_t *s, int rank, int message)
 {
     shm_rank *r = shm_rank_at(&s->v, rank);
     atomic_fetch_add(&r->bell, 1);
     atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load(&r->unfinished) && atomic_load(&r->sleeping) && !atomic_load(&r->driving))
+    if ((!message || atomic_load(&r->unfinished)) && atomic_load(&r->sleeping) && !atomic_load(&r->driving))
         mp_futex_wake(&r->bell, 1);
 }
+
+void shm_ring(shm_t *s, int rank) { ring(s, rank, 0); }
 
 /* News for the peer of an op, from the engine. This process's own news is seen by the engine
  * holder, which passes again whenever a pass moved anything. */
@@ -58,13 +54,13 @@ void shm_ring_peer(shm_t *s, const mp_op *op)
             return;
         }
     }
-    ring_with_news(s, op->peer);
+    ring(s, op->peer, 1);
 }
 
 void shm_send_deferred_wakes(shm_t *s)
 {
     for (int i = 0; i < deferred_wakes.n; i++)
-        ring_with_news(s, deferred_wakes.peers[i]);
+        ring(s, deferred_wakes.peers[i], 1);
     deferred_wakes.n = 0;
 }
 
@@ -202,7 +198,7 @@ mp_result shm_post(mp_transport *t, mp_step *step)
     deferred_wakes.deferring = 0;
     atomic_fetch_add(&my_slot(s)->unfinished, 1);
     /* Issued and unfinished before reading what peers posted: see shm_post_descriptor() and
-     * ring_with_news(). */
+     * ring(). */
     atomic_thread_fence(memory_order_seq_cst);
     enqueue(&s->incoming, step);
     pthread_mutex_unlock(&s->lock);

@@ -66,11 +66,14 @@ typedef struct {
 /* One rank's part of a window registered collectively (nccl_rma.c): the memory its peers map. */
 #define MAX_WINDOWS 32
 typedef struct {
-    _Atomic int published;     /* the fields below are written */
-    _Atomic int mapped;        /* the rank has mapped every peer's part: the closing barrier */
     int32_t pid, fd;           /* the ncclMemAlloc memfd, as /proc/pid/fd/fd */
     uint64_t offset, size;     /* of the window in it */
 } window_part;
+
+/* A registration's two barriers: a bit per rank that has published its part, then mapped all. */
+typedef struct {
+    _Atomic uint64_t published, mapped;
+} window_barriers;
 
 typedef struct {
     _Atomic int nranks;
@@ -84,6 +87,7 @@ typedef struct {
     _Atomic uint64_t rma_arrived;  /* bit per rank that made its first RMA call (implicitly collective) */
     _Atomic uint64_t signals[MAX_RANKS][MAX_RANKS]; /* [receiver][sender]: the sender's last signal */
     window_part windows[MAX_WINDOWS][MAX_RANKS];    /* [k-th registration][rank] */
+    window_barriers window_barriers[MAX_WINDOWS];
     channel ch[];              /* [src * nranks + dst] */
 } segment;
 

@@ -281,11 +281,8 @@ static ncclResult_t register_window(comm_t *c, void *buff, size_t size, window_t
     }
     int k = c->windows++;
     window_part *mine = &c->seg->windows[k][c->rank];
-    mine->pid = (int32_t)getpid();
-    mine->fd = fd;
-    mine->offset = offset;
-    mine->size = size;
-    atomic_store(&mine->published, 1);
+    window_barriers *b = &c->seg->window_barriers[k];
+    *mine = (window_part){.pid = (int32_t)getpid(), .fd = fd, .offset = offset, .size = size};
     window_t *w = calloc(1, sizeof *w);
     if (!w)
         return ncclSystemError;
@@ -293,33 +290,25 @@ static ncclResult_t register_window(comm_t *c, void *buff, size_t size, window_t
                     .refs = 1};
     w->peer_base[c->rank] = buff;
     w->peer_size[c->rank] = size;
-    for (int r = 0; r < c->nranks; r++) {
-        for (unsigned spins = 0; r != c->rank && !atomic_load(&c->seg->windows[k][r].published); spins++) {
-            if (atomic_load(c->abort_flag)) {
-                unmap_peers(w);
-                free(w);
-                return ncclInvalidUsage;
-            }
-            pause_for(spins);
-        }
-        if (r != c->rank && map_peer(w, k, r) != 0) {
-            unmap_peers(w);
-            free(w);
-            return ncclSystemError;
-        }
+    /* Published parts, then every peer's mapped, then the closing barrier
+     * (ncclDevrWindowRegisterInGroup: bootstrapBarrier): no rank leaves, or exits, while a peer
+     * still maps its part. */
+    uint64_t bit = 1ull << c->rank;
+    atomic_fetch_or(&b->published, bit);
+    ncclResult_t r = all_arrived(c, &b->published) != 0 ? ncclInvalidUsage : ncclSuccess;
+    for (int peer = 0; r == ncclSuccess && peer < c->nranks; peer++)
+        if (peer != c->rank && map_peer(w, k, peer) != 0)
+            r = ncclSystemError;
+    if (r == ncclSuccess) {
+        atomic_fetch_or(&b->mapped, bit);
+        if (all_arrived(c, &b->mapped) != 0)
+            r = ncclInvalidUsage;
     }
-    /* The closing barrier (ncclDevrWindowRegisterInGroup: bootstrapBarrier): no rank leaves, or
-     * exits, while a peer still maps its part. */
-    atomic_store(&mine->mapped, 1);
-    for (int r = 0; r < c->nranks; r++)
-        for (unsigned spins = 0; !atomic_load(&c->seg->windows[k][r].mapped); spins++) {
-            if (atomic_load(c->abort_flag)) {
-                unmap_peers(w);
-                free(w);
-                return ncclInvalidUsage;
-            }
-            pause_for(spins);
-        }
+    if (r != ncclSuccess) {
+        unmap_peers(w);
+        free(w);
+        return r;
+    }
     w->next = c->live_windows;
     c->live_windows = w;
     *out = w;
